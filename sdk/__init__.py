@@ -1,0 +1,35 @@
+"""dtrain: declarative distributed training jobs on this machine, SageMaker or EC2.
+
+This module must stay cheap to import: containers import ``dtrain.runtime`` through it, and the
+CLI's start-up time depends on it. Public names are therefore resolved lazily.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "JobSpec": "dtrain.spec",
+    "SpecError": "dtrain.errors",
+    "DtrainError": "dtrain.errors",
+    "plan": "dtrain.planner",
+    "Plan": "dtrain.planner",
+    "Estimator": "dtrain.estimator",
+    "instances": "dtrain.instances",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'dtrain' has no attribute {name!r}")
+    module = import_module(module_name)
+    value = module if module_name.endswith("." + name) else getattr(module, name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,1 @@
+"""The in-container runtime: node agent, process groups, MiCS sharding, models, trainer."""

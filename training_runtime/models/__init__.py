@@ -1,0 +1,1 @@
+"""Hugging Face-compatible transformer models. Nothing here imports torch.distributed."""
