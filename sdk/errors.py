@@ -27,3 +27,7 @@ class SpecError(DtrainError, ValueError):
         return f"{len(self.problems)} problems in the job spec:\n" + "\n".join(
             f"  - {p}" for p in self.problems
         )
+
+
+class SpecWarning(UserWarning):
+    """Something in the spec will work but is probably not what the user wants."""

@@ -29,6 +29,81 @@ def _neox(hidden: int, layers: int, heads: int, *, vocab: int = 50304, **extra: 
     }
 
 
+def _gpt2(hidden: int, layers: int, heads: int, *, vocab: int = 50257, positions: int = 1024,
+          **extra: Any) -> dict:
+    # HF's GPT-2 names (n_embd, ...) plus the generic ones count_parameters and the planner read.
+    return {
+        "model_type": "gpt2",
+        "n_embd": hidden, "hidden_size": hidden,
+        "n_layer": layers, "num_hidden_layers": layers,
+        "n_head": heads, "num_attention_heads": heads,
+        "n_inner": None, "intermediate_size": 4 * hidden,
+        "vocab_size": vocab,
+        "n_positions": positions, "max_position_embeddings": positions,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+        **extra,
+    }
+
+
+def _gptj(hidden: int, layers: int, heads: int, rotary_dim: int, *, vocab: int = 50400,
+          **extra: Any) -> dict:
+    return {
+        **_gpt2(hidden, layers, heads, vocab=vocab, positions=2048),
+        "model_type": "gptj",
+        "rotary_dim": rotary_dim,
+        "tie_word_embeddings": False,
+        **extra,
+    }
+
+
+def _gpt_neo(hidden: int, layers: int, heads: int, *, vocab: int = 50257, window: int = 256,
+             **extra: Any) -> dict:
+    return {
+        "model_type": "gpt_neo",
+        "hidden_size": hidden,
+        "num_layers": layers, "num_hidden_layers": layers,
+        "num_heads": heads, "num_attention_heads": heads,
+        "intermediate_size": None,
+        "vocab_size": vocab,
+        "max_position_embeddings": 2048,
+        # alternating global/local attention layers, as the released GPT-Neo models
+        "attention_types": [[["global", "local"], layers // 2]],
+        "window_size": window,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+        **extra,
+    }
+
+
+def _bert(hidden: int, layers: int, heads: int, *, model_type: str = "bert", vocab: int = 30522,
+          **extra: Any) -> dict:
+    return {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "intermediate_size": 4 * hidden,
+        "vocab_size": vocab,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+        "hidden_act": "gelu",
+        "layer_norm_eps": 1e-12,
+        "pad_token_id": 0,
+        "tie_word_embeddings": True,
+        **extra,
+    }
+
+
+def _roberta(hidden: int, layers: int, heads: int, *, vocab: int = 50265, **extra: Any) -> dict:
+    # RoBERTa offsets positions by pad_token_id + 1, hence 2 extra position rows.
+    return _bert(hidden, layers, heads, model_type="roberta", vocab=vocab, pad_token_id=1,
+                 max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5,
+                 bos_token_id=0, eos_token_id=2, **extra)
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Tiny shapes for tests and the local example.
     "gpt-neox-tiny": _neox(64, 2, 4, vocab=512, max_position_embeddings=256),
@@ -50,6 +125,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-neox-20b": _neox(6144, 44, 64, vocab=50432),
     "gpt-neox-50b": _neox(8192, 62, 64),
     "gpt-neox-100b": _neox(10240, 80, 80),
+    # Other Hugging Face families the runtime's model zoo builds (training_runtime/models/).
+    "gpt2": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt-j-6b": _gptj(4096, 28, 16, 64),
+    "gpt-neo-125m": _gpt_neo(768, 12, 12),
+    "gpt-neo-1.3b": _gpt_neo(2048, 24, 16),
+    "bert-base": _bert(768, 12, 12),
+    "bert-large": _bert(1024, 24, 16),
+    "roberta-base": _roberta(768, 12, 12),
+    # Tiny shapes of those families for tests (GPT-Neo's window is short so it matters).
+    "gpt2-tiny": _gpt2(64, 2, 4, vocab=512, positions=256),
+    "gpt-j-tiny": _gptj(64, 2, 4, 8, vocab=512),
+    "gpt-neo-tiny": _gpt_neo(64, 2, 4, vocab=512, window=4),
+    "bert-tiny": _bert(64, 2, 4, vocab=512),
+    "roberta-tiny": _roberta(64, 2, 4, vocab=512),
 }
 
 

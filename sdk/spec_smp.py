@@ -1,0 +1,71 @@
+"""Translate SageMaker model-parallel (SMP) distribution dicts into dtrain's distribution.
+
+So that estimator code written for SMP v1 (``sharded_data_parallel_degree``,
+``ddp_dist_backend``) or SMP v2 (``hybrid_shard_degree``) ports by changing an import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# SMP parameters that mean the same as a dtrain setting.
+_DEGREE_KEYS = ("sharded_data_parallel_degree", "hybrid_shard_degree")
+# Parallelism dtrain does not implement: a degree above 1 is an error, 1 is fine.
+_UNSUPPORTED_DEGREES = (
+    "tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree",
+    "context_parallel_degree", "partitions",
+)
+_WRAPPER_KEYS = ("smdistributed", "torch_distributed", "pytorchddp", "mpi")
+
+
+def translate_distribution(data: Any) -> tuple[Any, list[str]]:
+    """Return ``(dtrain distribution dict, notes)``; non-SMP input is returned unchanged."""
+    if not isinstance(data, dict) or not any(k in data for k in _WRAPPER_KEYS):
+        return data, []
+    notes: list[str] = []
+    out: dict[str, Any] = {k: v for k, v in data.items() if k not in _WRAPPER_KEYS}
+    if _enabled(data.get("pytorchddp")):
+        out.setdefault("sharding_degree", 1)
+    if "mpi" in data:
+        notes.append("distribution.mpi is ignored: dtrain starts workers with torch elastic")
+    smp = data.get("smdistributed")
+    if isinstance(smp, dict):
+        for key in smp:
+            if key != "modelparallel":
+                notes.append(f"distribution.smdistributed.{key} is ignored by dtrain")
+        mp = smp.get("modelparallel")
+        if isinstance(mp, dict) and mp.get("enabled", True):
+            params = mp.get("parameters", {})
+            if not isinstance(params, dict):
+                raise ValueError(
+                    "smdistributed.modelparallel.parameters: expected a mapping, got "
+                    f"{type(params).__name__}"
+                )
+            _translate_parameters(params, out, notes)
+    return out, notes
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and bool(section.get("enabled", True))
+
+
+def _translate_parameters(params: dict, out: dict, notes: list[str]) -> None:
+    for key, value in params.items():
+        where = f"smdistributed.modelparallel.parameters.{key}"
+        if key in _DEGREE_KEYS:
+            # SMP v2 uses 0 for "shard over every GPU".
+            out["sharding_degree"] = "full" if value == 0 else value
+        elif key == "ddp_dist_backend":
+            out["backend"] = value
+        elif key in ("bf16", "fp16") and value is True:
+            out["mixed_precision"] = key
+        elif key in ("activation_checkpointing", "gradient_accumulation_steps"):
+            out[key] = value
+        elif key in _UNSUPPORTED_DEGREES:
+            if value not in (0, 1):
+                raise ValueError(
+                    f"{where} = {value!r}: dtrain shards data parallel only (MiCS); remove it "
+                    "and use sharded_data_parallel_degree / distribution.sharding_degree"
+                )
+        else:
+            notes.append(f"distribution.{where} is not used by dtrain and was ignored")
