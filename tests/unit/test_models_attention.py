@@ -14,6 +14,11 @@ from dtrain.runtime.models import build_model
 FAMILY_PRESETS = {
     "gpt_neox-parallel-residual": ("gpt-neox-tiny", {"use_parallel_residual": True}),
     "gpt_neox-sequential-residual": ("gpt-neox-tiny", {"use_parallel_residual": False}),
+    "gpt2": ("gpt2-tiny", {}),
+    "gptj": ("gpt-j-tiny", {}),
+    "gpt_neo-global-and-local": ("gpt-neo-tiny", {}),
+    "bert-padded": ("bert-tiny", {}),
+    "roberta-padded": ("roberta-tiny", {}),
 }
 
 

@@ -11,7 +11,7 @@ from dtrain.presets import get_preset
 from dtrain.runtime.models import build_model, from_preset, num_parameters
 from dtrain.runtime.models.hf_io import INDEX_NAME, WEIGHTS_NAME, load_pretrained, save_pretrained
 
-PRESETS = ["gpt-neox-tiny"]
+PRESETS = ["gpt-neox-tiny", "gpt2-tiny", "gpt-j-tiny", "gpt-neo-tiny", "bert-tiny", "roberta-tiny"]
 
 
 def _inputs() -> dict[str, torch.Tensor]:

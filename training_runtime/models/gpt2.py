@@ -1,0 +1,175 @@
+"""GPT-2 causal LM with Hugging Face parameter names.
+
+HF implements GPT-2's projections as ``Conv1D``, whose weight is the transpose of an
+``nn.Linear`` weight; we use ``nn.Linear`` (what FSDP, compile and the fused kernels expect) and
+transpose those four weights in the checkpoint mapping instead.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dtrain.runtime.models.attention import attention
+from dtrain.runtime.models.common import HFCompatibleModel, activation, config_value, require
+
+# the Conv1D weights of a GPT-2 checkpoint, stored (in_features, out_features)
+_CONV1D_WEIGHT = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_positions: int
+    layer_norm_eps: float
+    activation_function: str
+    scale_attn_weights: bool
+    scale_attn_by_inverse_layer_idx: bool
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> GPT2Config:
+        if config.get("add_cross_attention"):
+            raise ValueError("GPT-2 cross-attention is not supported; "
+                             "set add_cross_attention to false")
+        hidden = int(require(config, "n_embd", "hidden_size"))
+        heads = int(require(config, "n_head", "num_attention_heads"))
+        if hidden % heads:
+            raise ValueError(f"n_embd={hidden} is not divisible by n_head={heads}; "
+                             "pick a multiple")
+        return cls(
+            hidden_size=hidden,
+            num_layers=int(require(config, "n_layer", "num_hidden_layers")),
+            num_heads=heads,
+            intermediate_size=int(config_value(config, "n_inner", "intermediate_size",
+                                               default=4 * hidden)),
+            vocab_size=int(require(config, "vocab_size")),
+            max_positions=int(config_value(config, "n_positions", "max_position_embeddings",
+                                           default=1024)),
+            layer_norm_eps=float(config_value(config, "layer_norm_epsilon", default=1e-5)),
+            activation_function=str(config_value(config, "activation_function",
+                                                 default="gelu_new")),
+            scale_attn_weights=bool(config.get("scale_attn_weights", True)),
+            scale_attn_by_inverse_layer_idx=bool(
+                config.get("scale_attn_by_inverse_layer_idx", False)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "n_embd": self.hidden_size, "hidden_size": self.hidden_size,
+            "n_layer": self.num_layers, "num_hidden_layers": self.num_layers,
+            "n_head": self.num_heads, "num_attention_heads": self.num_heads,
+            "n_inner": self.intermediate_size, "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "n_positions": self.max_positions, "max_position_embeddings": self.max_positions,
+            "layer_norm_epsilon": self.layer_norm_eps,
+            "activation_function": self.activation_function,
+            "scale_attn_weights": self.scale_attn_weights,
+            "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+        }
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: GPT2Config, *, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_heads = config.num_heads
+        head_dim = config.hidden_size // config.num_heads
+        self.scale = 1.0 / math.sqrt(head_dim) if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:  # a GPT-2 training-stability option
+            self.scale /= layer_idx + 1
+        self.c_attn = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2)
+                   for t in self.c_attn(x).split(hidden, dim=-1))
+        out = attention(q, k, v, backend=self.backend, causal=True,
+                        key_padding_mask=attention_mask, scale=self.scale)
+        return self.c_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = activation(config.activation_function)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: GPT2Config, *, layer_idx: int, backend: str) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attn = GPT2Attention(config, layer_idx=layer_idx, backend=backend)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attention_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: GPT2Config, *, backend: str) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = nn.Embedding(config.max_positions, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, layer_idx=i, backend=backend)
+                               for i in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(positions)
+        for block in self.h:
+            x = block(x, attention_mask)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(HFCompatibleModel):
+    model_type = "gpt2"
+    hf_architecture = "GPT2LMHeadModel"
+    base_model_prefix = "transformer"
+    _no_split_modules = ["GPT2Block"]
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    # older checkpoints (the original "gpt2") saved the causal-mask buffers
+    _ignored_hf_keys = (r"\.attn\.(bias|masked_bias)$",)
+
+    def __init__(self, hf_config: dict[str, Any], *, attention: str = "flash") -> None:
+        super().__init__(hf_config, attention=attention)
+        self.config = GPT2Config.from_hf(hf_config)
+        self.transformer = GPT2Model(self.config, backend=attention)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return self.lm_head(self.transformer(input_ids, attention_mask))
+
+    def hf_config_dict(self) -> dict[str, Any]:
+        return {**super().hf_config_dict(), **self.config.to_hf()}
+
+    def from_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _transpose_conv1d(super().from_hf_state_dict(state_dict))
+
+    def to_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return _transpose_conv1d(super().to_hf_state_dict(state_dict))
+
+
+def _transpose_conv1d(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # The transpose is its own inverse, so one function maps both ways.
+    return {key: value.t().contiguous() if _CONV1D_WEIGHT.search(key) else value
+            for key, value in state_dict.items()}
