@@ -35,7 +35,8 @@ _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def is_s3_uri(value: str) -> bool:
-    return isinstance(value, str) and value.startswith("s3://")
+    """True for anything meant as an S3 location (well-formed or not: ``check_s3_uri`` says)."""
+    return isinstance(value, str) and value[:3].lower() == "s3:"
 
 
 def check_s3_uri(value: str, field: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -48,11 +49,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
                 prefix = ".".join(parts[: depth + 1])
                 raise SpecError(f"--set {item!r}: {prefix} is a value, not a section")
             node = child
-        try:
-            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            node[parts[-1]] = raw
+        node[parts[-1]] = parse_value(raw)
     return result
+
+
+def parse_value(raw: str) -> Any:
+    """JSON first (so 3e-4 is a number), then YAML (so 'true', '[a, b]' work), else the text."""
+    if not raw.strip():
+        return ""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
 
 
 def _deep_copy(data: Any) -> Any:

@@ -1,0 +1,80 @@
+"""The CLI as a user runs it: exit codes, one-line errors, JSON output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLE = "entry_point: recipe:causal_lm\nhyperparameters: {model: pythia-70m}\n"
+
+
+def dtrain(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=60)
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(EXAMPLE)
+    return path
+
+
+def test_version_and_help():
+    assert dtrain("--version").stdout.strip() == "dtrain, version 0.1.0"
+    for command in ("validate", "plan", "schema", "instances"):
+        result = dtrain(command, "--help")
+        assert result.returncode == 0 and "Usage: dtrain" in result.stdout
+
+
+def test_validate_ok_prints_a_summary(spec_file):
+    result = dtrain("validate", str(spec_file))
+    assert result.returncode == 0
+    assert result.stdout.startswith("ok: causal-lm · target local")
+
+
+def test_invalid_spec_exits_2_with_one_line_and_no_traceback(spec_file):
+    result = dtrain("validate", str(spec_file), "--set", "compute.instance_count=0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: compute.instance_count: input should be greater than or equal to 1 (got 0)"]
+    assert "Traceback" not in result.stderr
+
+
+def test_debug_shows_the_traceback(spec_file):
+    result = dtrain("--debug", "validate", str(spec_file), "--set", "compute.instance_count=0")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_missing_file_and_bad_option_exit_2(tmp_path):
+    assert dtrain("validate", str(tmp_path / "nope.yaml")).returncode == 2
+    assert dtrain("plan", "--no-such-option").returncode == 2
+
+
+def test_plan_json_resolves_the_mesh(spec_file):
+    result = dtrain("plan", str(spec_file), "-o", "json", "--set", "compute.target=ec2",
+                    "--set", "compute.instance_type=p4d.24xlarge", "--set",
+                    "compute.instance_count=2", "--set", "output_path=s3://dtrain-bucket/o")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["world_size"] == 16 and data["mesh"] == {"replicate": 16, "shard": 1}
+    assert data["max_run_cost"] == pytest.approx(2 * 32.7726 * 24)
+
+
+def test_plan_text_shows_a_strategy_table(spec_file):
+    result = dtrain("plan", str(spec_file))
+    assert result.returncode == 0
+    assert "mesh replicate × shard" in result.stdout and "tokens/s" in result.stdout
+
+
+def test_schema_is_json_schema_of_the_jobspec():
+    schema = json.loads(dtrain("schema").stdout)
+    assert schema["title"] == "JobSpec" and "compute" in schema["properties"]
+
+
+def test_instances_lists_the_catalog_with_price_date():
+    out = dtrain("instances").stdout
+    assert "p4d.24xlarge" in out and "as of" in out

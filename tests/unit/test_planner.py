@@ -1,0 +1,160 @@
+"""Planner arithmetic against hand-computed figures (see dtrain/costmodel.py for the model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain import costmodel, partitioning
+from dtrain.planner import plan
+from dtrain.spec import JobSpec
+
+GB = 1e9
+
+
+def p4d_job(nodes: int, degree, **hps) -> JobSpec:
+    return JobSpec.from_dict({
+        "entry_point": "recipe:causal_lm", "output_path": "s3://dtrain-test-bucket/out",
+        "hyperparameters": {"seq_len": 2048, "micro_batch_size": 1, **hps},
+        "compute": {"target": "ec2", "instance_type": "p4d.24xlarge", "instance_count": nodes},
+        "distribution": {"sharding_degree": degree},
+    })
+
+
+def by_name(result, strategy: str, hierarchical: bool = False):
+    return next(s for s in result.strategies
+                if s.strategy == strategy and s.hierarchical == hierarchical)
+
+
+class TestSageMakerPublished13B:
+    """GPT-NeoX 13B on 16 × p4d.24xlarge at sharding degree 64 (SageMaker's MiCS post)."""
+
+    @pytest.fixture(scope="class")
+    def result(self):
+        return plan(p4d_job(16, 64, num_parameters=13e9, hidden_size=5120, num_layers=40,
+                            vocab_size=50304))
+
+    def test_mesh_and_layout(self, result):
+        assert (result.world_size, result.replicate_degree, result.sharding_degree) == (128, 2, 64)
+        assert result.group_within_node is False
+        assert result.hierarchical_allgather is True  # backend auto, group spans 8 nodes
+        assert result.backend == "nccl" and result.mixed_precision == "bf16"
+
+    def test_model_state_memory_is_16_bytes_per_parameter_over_the_degree(self, result):
+        # 13e9 × 16 B / 64 = 3.25e9 B
+        assert result.memory.model_state_gib * 2**30 == pytest.approx(3.25e9)
+
+    def test_flat_mics_traffic(self, result):
+        # per micro-batch: 2 all-gathers of 2 B/param + reduce-scatter of 4 B/param, ring of 64
+        # → 8Ψ·63/64 per GPU; a node's NIC carries it once, so a GPU's share is 1/8 of it.
+        # boundary: all-reduce of the 4Ψ/64 shard between 2 replicas on 2 nodes → 4Ψ/64.
+        mics = by_name(result, "MiCS")
+        volume = 8 * 13e9 * 63 / 64
+        assert mics.inter_bytes == pytest.approx(volume / 8 + 4 * 13e9 / 64)
+        assert mics.intra_bytes == pytest.approx(volume * 7 / 8)
+
+    def test_hierarchical_mics_traffic(self, result):
+        # all-gather: inter stage moves 2Ψ·(8-1)/64, intra stage 2Ψ·(8-1)/8, twice per step;
+        # reduce-scatter stays a flat ring.
+        hier = by_name(result, "MiCS", hierarchical=True)
+        psi = 13e9
+        inter = 2 * (2 * psi * 7 / 64) + 4 * psi * 63 / 64 / 8 + 4 * psi / 64
+        intra = 2 * (2 * psi * 7 / 8) + 4 * psi * 63 / 64 * 7 / 8
+        assert hier.inter_bytes == pytest.approx(inter)
+        assert hier.intra_bytes == pytest.approx(intra)
+        assert hier.inter_bytes < by_name(result, "MiCS").inter_bytes
+
+    def test_zero3_and_ddp_traffic(self, result):
+        psi = 13e9
+        zero3 = by_name(result, "ZeRO-3")
+        assert zero3.inter_bytes == pytest.approx(8 * psi * 127 / 128 / 8)
+        ddp = by_name(result, "DDP")
+        assert ddp.inter_bytes == pytest.approx(2 * 4 * psi * 127 / 128 / 8)
+        assert ddp.micro_comm.calls == 0  # DDP only syncs at the accumulation boundary
+
+    def test_cost(self, result):
+        assert result.cost_per_hour == pytest.approx(16 * 32.7726)
+        assert result.max_run_cost == pytest.approx(16 * 32.7726 * 24)
+
+
+def test_sagemaker_published_100b_on_32_p4d_at_degree_256():
+    result = plan(p4d_job(32, 256, num_parameters=100e9, hidden_size=10240, num_layers=80,
+                          vocab_size=50304))
+    assert (result.world_size, result.replicate_degree) == (256, 1)
+    assert result.memory.model_state_gib * 2**30 == pytest.approx(100e9 * 16 / 256)
+    assert result.chosen.strategy == "ZeRO-3"
+    assert result.chosen.boundary_comm.calls == 0  # one replica: nothing to all-reduce
+
+
+def test_accumulation_multiplies_micro_traffic_but_not_the_replica_all_reduce():
+    one = plan(p4d_job(2, 8, num_parameters=1e9, hidden_size=2048, num_layers=24,
+                       vocab_size=50304)).chosen
+    spec = p4d_job(2, 8, num_parameters=1e9, hidden_size=2048, num_layers=24, vocab_size=50304)
+    spec.distribution.gradient_accumulation_steps = 4
+    four = plan(spec).chosen
+    assert four.micro_comm.inter_bytes == one.micro_comm.inter_bytes == 0  # group inside a node
+    assert four.boundary_comm.inter_bytes == pytest.approx(one.boundary_comm.inter_bytes)
+    assert four.intra_bytes == pytest.approx(4 * one.micro_comm.intra_bytes
+                                             + one.boundary_comm.intra_bytes)
+
+
+def test_compute_time_follows_6n_plus_attention_flops():
+    work = costmodel.Workload(num_parameters=int(1e9), num_layers=24, hidden_size=2048,
+                              seq_len=2048, micro_batch_size=1)
+    cluster = costmodel.Cluster(num_nodes=1, gpus_per_node=8, tflops_per_gpu=312,
+                                intra_gbytes_per_s=300, inter_gbits_per_s=400)
+    flops = 2048 * (6e9 + 12 * 24 * 2048 * 2048)
+    assert costmodel.compute_seconds(work, cluster) == pytest.approx(flops / (312e12 * 0.5))
+
+
+def test_ring_collective_on_one_node_has_no_inter_node_bytes():
+    cluster = costmodel.Cluster(num_nodes=1, gpus_per_node=8, tflops_per_gpu=1,
+                                intra_gbytes_per_s=100, inter_gbits_per_s=100, latency_s=0)
+    t = costmodel.ring(8 * GB, ranks=8, nodes=1, per_node=8, cluster=cluster)
+    assert (t.intra_bytes, t.inter_bytes) == (7 * GB, 0)
+    assert t.seconds == pytest.approx(7 / 100)
+
+
+class TestAutoShardingDegree:
+    def test_smallest_node_aligned_group_that_fits_with_headroom(self):
+        # 40 GiB GPUs, 20 % headroom → 32 GiB budget; 10e9 params × 16 B = 160e9 B.
+        choose = partitioning.choose_sharding_degree
+        kw = dict(world_size=16, gpus_per_node=8, device_memory_bytes=40 * 2**30)
+        assert choose(num_parameters=int(10e9), **kw) == 8  # 20e9 B at 8; 40e9 B at 4
+        assert choose(num_parameters=int(3e9), **kw) == 2  # 24e9 B at 2 < 34.4e9 B
+        assert choose(num_parameters=int(1e9), **kw) == 1
+        # 20e9 params: 40e9 B at 8 > 34.4e9 B budget → two whole nodes, never 12 or 10
+        assert choose(num_parameters=int(20e9), **kw) == 16
+
+    def test_groups_never_split_a_node(self):
+        assert partitioning.candidate_degrees(32, 8) == [1, 2, 4, 8, 16, 32]
+        assert partitioning.candidate_degrees(24, 8) == [1, 2, 4, 8, 24]
+
+    def test_model_that_never_fits_is_a_clear_error(self):
+        with pytest.raises(ValueError, match="even fully sharded over 8 devices"):
+            partitioning.choose_sharding_degree(num_parameters=int(100e9), world_size=8,
+                                                gpus_per_node=8, device_memory_bytes=40 * 2**30)
+
+    def test_planner_resolves_auto_with_activation_memory(self):
+        result = plan(p4d_job(2, "auto", model="gpt-neox-13b"))
+        # states alone would fit at 8 (24.4 GiB) but activations (13.9 GiB) push it to 16
+        assert result.sharding_degree == 16
+        assert result.memory.total_gib <= 40 * 0.8
+
+    def test_auto_without_model_size_is_left_to_the_runtime(self):
+        result = plan(JobSpec.from_dict({"entry_point": "recipe:causal_lm"}))
+        assert result.sharding_degree is None
+        assert result.runtime_distribution()["sharding_degree"] == "auto"
+        assert any("resolved at run time" in n for n in result.notes)
+
+
+def test_preset_sizes_match_published_parameter_counts():
+    result = plan(p4d_job(1, 8, model="pythia-70m"))
+    assert result.model.num_parameters == pytest.approx(70.4e6, rel=0.01)
+    result = plan(p4d_job(1, 8, model="gpt-neox-20b"))
+    assert result.model.num_parameters == pytest.approx(20.6e9, rel=0.01)
+
+
+def test_price_override_is_used():
+    spec = p4d_job(2, 8, model="pythia-70m")
+    spec.compute.price_per_hour = 10.0
+    assert plan(spec).cost_per_hour == 20.0

@@ -1,0 +1,277 @@
+"""Every JobSpec rule: a bad value is rejected with a message naming the field, value and fix."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from dtrain.errors import SpecError, SpecWarning
+from dtrain.spec import JobSpec
+
+RECIPE = {"entry_point": "recipe:causal_lm"}
+ROLE = "arn:aws:iam::111122223333:role/dtrain-test"
+
+
+def sagemaker(**compute) -> dict:
+    return {**RECIPE, "output_path": "s3://dtrain-test-bucket/out", "sagemaker": {"role": ROLE},
+            "compute": {"target": "sagemaker", "instance_type": "ml.p4d.24xlarge", **compute}}
+
+
+def problems(data: dict, **kw) -> str:
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict(data, **kw)
+    return str(info.value)
+
+
+def test_minimal_spec_defaults_to_a_local_cpu_job():
+    spec = JobSpec.from_dict(RECIPE)
+    assert spec.compute.target == "local"
+    assert spec.compute.instance_type == "local"
+    assert spec.world_size == 1
+    assert spec.name == "causal-lm"
+
+
+def test_unknown_field_suggests_the_closest_valid_name():
+    msg = problems({**RECIPE, "compute": {"instance_cont": 2}})
+    assert "compute.instance_cont: unknown field" in msg
+    assert "did you mean 'compute.instance_count'" in msg
+    assert "did you mean 'distribution'" in problems({**RECIPE, "distributon": {}})
+
+
+def test_unknown_instance_type_names_the_value_and_closest_type():
+    msg = problems({**RECIPE, "compute": {"instance_type": "p4d.24xlarg"}})
+    assert msg.startswith("compute.instance_type: unknown instance type 'p4d.24xlarg'")
+    assert "did you mean 'p4d.24xlarge'" in msg
+
+
+def test_sagemaker_instance_names_are_accepted_and_canonicalised():
+    spec = JobSpec.from_dict(sagemaker())
+    assert spec.compute.instance_type == "p4d.24xlarge"
+    assert spec.world_size == 8
+
+
+@pytest.mark.parametrize("count", [0, -3])
+def test_instance_count_below_one_is_rejected(count):
+    msg = problems({**RECIPE, "compute": {"instance_count": count}})
+    assert "compute.instance_count" in msg and f"got {count}" in msg
+
+
+@pytest.mark.parametrize("degree, fragment", [
+    (3, "3 does not divide the world size 4"),
+    (8, "8 exceeds the world size 4"),
+    (0, "got 0"),
+])
+def test_sharding_degree_must_divide_and_not_exceed_world_size(degree, fragment):
+    data = {**RECIPE, "compute": {"processes_per_instance": 2, "instance_count": 2},
+            "distribution": {"sharding_degree": degree}}
+    msg = problems(data)
+    assert "distribution.sharding_degree" in msg and fragment in msg
+    if degree:
+        assert "use one of 1, 2, 4" in msg
+
+
+def test_sharding_degree_dividing_world_size_is_accepted():
+    spec = JobSpec.from_dict(sagemaker(instance_count=4) | {
+        "distribution": {"sharding_degree": 16}})
+    assert spec.distribution.sharding_degree == 16 and spec.world_size == 32
+
+
+def test_nccl_backend_on_a_cpu_instance_type_is_rejected():
+    msg = problems({**RECIPE, "distribution": {"backend": "nccl"}})
+    assert "distribution.backend: 'nccl' needs GPUs" in msg and "'local'" in msg
+
+
+def test_spot_max_wait_shorter_than_max_run_is_rejected():
+    msg = problems(sagemaker(use_spot=True, max_run="2h", max_wait="1h"))
+    assert "compute.max_wait: 3600 s is less than compute.max_run 7200 s" in msg
+
+
+def test_max_wait_without_spot_is_rejected():
+    assert "only applies to spot" in problems(sagemaker(max_wait=7200))
+
+
+def test_durations_accept_units():
+    spec = JobSpec.from_dict(sagemaker(use_spot=True, max_run="90m", max_wait="1.5d"))
+    assert (spec.compute.max_run, spec.compute.max_wait) == (5400, 129600)
+
+
+@pytest.mark.parametrize("uri", ["s3://Bad_Bucket/x", "s3:/bucket/x", "s3://ab", "s3://a..b/c"])
+def test_malformed_s3_uri_is_rejected(uri):
+    msg = problems(sagemaker() | {"inputs": {"train": uri}})
+    assert "inputs.train" in msg and repr(uri) in msg and "s3://bucket-name/prefix" in msg
+
+
+def test_output_path_must_be_s3_for_cloud_targets():
+    msg = problems(sagemaker() | {"output_path": "/tmp/out"})
+    assert "output_path: '/tmp/out' must be an s3:// URI for sagemaker" in msg
+    data = sagemaker()
+    del data["output_path"]
+    assert "output_path: required for target sagemaker" in problems(data)
+
+
+def test_local_input_paths_are_rejected_for_cloud_targets(tmp_path):
+    msg = problems(sagemaker() | {"inputs": {"train": str(tmp_path)}})
+    assert "inputs.train" in msg and "upload it to S3" in msg
+
+
+def test_local_input_paths_resolve_against_the_spec_folder(tmp_path):
+    (tmp_path / "data").mkdir()
+    spec = JobSpec.from_dict({**RECIPE, "inputs": {"train": "data"}}, base_dir=tmp_path)
+    assert spec.inputs["train"] == str(tmp_path / "data")
+    assert "does not exist" in problems({**RECIPE, "inputs": {"train": "nope"}}, base_dir=tmp_path)
+
+
+def test_entry_point_missing_from_source_dir_is_rejected(tmp_path):
+    msg = problems({"entry_point": "train.py", "source_dir": str(tmp_path)})
+    assert f"entry_point: 'train.py' not found in source_dir {str(tmp_path)!r}" in msg
+
+
+def test_entry_point_path_sets_source_dir(tmp_path):
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print('hi')\n")
+    spec = JobSpec.from_dict({"entry_point": "code/train.py"}, base_dir=tmp_path)
+    assert (spec.source_dir, spec.entry_point, spec.name) == (str(tmp_path / "code"),
+                                                              "train.py", "train")
+
+
+def test_entry_point_may_not_escape_source_dir(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "evil.py").write_text("")
+    msg = problems({"entry_point": "../evil.py", "source_dir": str(tmp_path / "src")})
+    assert "outside source_dir" in msg
+
+
+def test_unknown_recipe_is_rejected():
+    assert "unknown recipe 'gan'" in problems({"entry_point": "recipe:gan"})
+
+
+def test_hyperparameters_must_be_json_serialisable():
+    msg = problems({**RECIPE, "hyperparameters": {"lr": 0.1, "bad": {1, 2}}})
+    assert "hyperparameters: 'bad' = {1, 2} is not JSON-serialisable" in msg
+    assert "not JSON-serialisable" in problems({**RECIPE, "hyperparameters": {"x": float("nan")}})
+
+
+def test_reserved_hyperparameter_names_are_rejected():
+    assert "reserved" in problems({**RECIPE, "hyperparameters": {"dtrain_entry_point": "x"}})
+
+
+def test_local_job_with_too_many_processes_warns_but_validates():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = JobSpec.from_dict({**RECIPE, "compute": {"processes_per_instance": 64}})
+    assert spec.world_size == 64
+    assert any(issubclass(w.category, SpecWarning) and "will be slow" in str(w.message)
+               for w in caught)
+
+
+def test_cloud_instance_type_with_local_target_is_rejected():
+    msg = problems({**RECIPE, "compute": {"instance_type": "p4d.24xlarge"}})
+    assert "compute.instance_type: 'p4d.24xlarge' is a cloud instance type" in msg
+
+
+def test_instance_type_not_offered_on_sagemaker_is_rejected():
+    assert "not offered for SageMaker" in problems(sagemaker(instance_type="p5e.48xlarge"))
+
+
+def test_sagemaker_needs_a_well_formed_role():
+    data = sagemaker()
+    del data["sagemaker"]
+    assert "sagemaker.role: required for target sagemaker" in problems(data)
+    msg = problems(sagemaker() | {"sagemaker": {"role": "my-role"}})
+    assert "sagemaker.role: 'my-role' is not an IAM role ARN" in msg
+
+
+def test_several_problems_are_reported_together():
+    msg = problems(sagemaker(use_spot=True, max_run=7200, max_wait=60)
+                   | {"output_path": "s3://X"})
+    assert msg.startswith("2 problems in the job spec")
+
+
+def test_ssh_cidr_must_be_a_cidr():
+    assert "not an IPv4 CIDR" in problems({**RECIPE, "ec2": {"ssh_cidr": "10.0.0.300/8"}})
+
+
+def test_hierarchical_allgather_forced_on_with_stock_nccl_is_rejected():
+    data = sagemaker() | {"distribution": {"backend": "nccl", "hierarchical_allgather": True}}
+    assert "needs backend 'auto'" in problems(data)
+
+
+class TestSmpDistributionTranslation:
+    def test_v1_sharded_data_parallel_dict(self):
+        smp = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {
+            "sharded_data_parallel_degree": 16, "ddp_dist_backend": "nccl", "bf16": True}}},
+            "mpi": {"enabled": True, "processes_per_host": 8}}
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            spec = JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": smp})
+        dist = spec.distribution
+        assert (dist.sharding_degree, dist.backend, dist.mixed_precision) == (16, "nccl", "bf16")
+
+    def test_v2_hybrid_shard_degree_dict(self):
+        smp = {"torch_distributed": {"enabled": True}, "smdistributed": {"modelparallel": {
+            "enabled": True, "parameters": {"hybrid_shard_degree": 8}}}}
+        spec = JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": smp})
+        assert spec.distribution.sharding_degree == 8
+
+    def test_v2_degree_zero_means_full_shard(self):
+        smp = {"smdistributed": {"modelparallel": {"parameters": {"hybrid_shard_degree": 0}}}}
+        assert JobSpec.from_dict(sagemaker() | {"distribution": smp}) \
+            .distribution.sharding_degree == "full"
+
+    def test_tensor_parallelism_is_rejected_with_the_fix(self):
+        smp = {"smdistributed": {"modelparallel": {"parameters": {"tensor_parallel_degree": 4}}}}
+        msg = problems(sagemaker() | {"distribution": smp})
+        assert "tensor_parallel_degree = 4" in msg and "sharding_degree" in msg
+
+    def test_unused_smp_parameters_warn(self):
+        smp = {"smdistributed": {"modelparallel": {"parameters": {
+            "delayed_parameter_initialization": True}}}}
+        with pytest.warns(SpecWarning, match="delayed_parameter_initialization"):
+            JobSpec.from_dict(sagemaker() | {"distribution": smp})
+
+
+def test_from_file_applies_overrides_and_resolves_paths(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    path = tmp_path / "job.yaml"
+    path.write_text("entry_point: train.py\ncompute:\n  instance_count: 1\n")
+    spec = JobSpec.from_file(path, overrides=["compute.instance_count=2",
+                                              "hyperparameters.lr=3e-4",
+                                              "distribution.sharding_degree=2"])
+    assert spec.compute.instance_count == 2
+    assert spec.hyperparameters == {"lr": 3e-4}
+    assert spec.source_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("compute", "expected key.path=value"),
+    ("entry_point.x=1", "entry_point is a value, not a section"),
+])
+def test_bad_overrides_are_user_errors(tmp_path, override, fragment):
+    path = tmp_path / "job.yaml"
+    path.write_text("entry_point: recipe:causal_lm\n")
+    with pytest.raises(SpecError, match=fragment):
+        JobSpec.from_file(path, overrides=[override])
+
+
+def test_file_errors_are_one_line_spec_errors(tmp_path):
+    with pytest.raises(SpecError, match="not found"):
+        JobSpec.from_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("entry_point: [unclosed\n")
+    with pytest.raises(SpecError, match=r"line \d+, column \d+: invalid YAML"):
+        JobSpec.from_file(bad)
+
+
+def test_spec_round_trips_through_its_dict():
+    spec = JobSpec.from_dict(sagemaker(instance_count=2, use_spot=True, max_wait=86400))
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_every_schema_property_has_a_description():
+    schema = JobSpec.model_json_schema()
+    missing = [f"{name}.{prop}" for name, model in
+               [("JobSpec", schema), *schema["$defs"].items()]
+               for prop, body in model.get("properties", {}).items()
+               if not body.get("description")]
+    assert missing == []
