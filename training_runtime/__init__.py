@@ -1,1 +1,42 @@
-"""The in-container runtime: node agent, process groups, MiCS sharding, models, trainer."""
+"""The in-container runtime: node agent, process groups, MiCS sharding, models, trainer.
+
+Importing this package must not import torch (the node agent and the client import it), so the
+public names are resolved lazily on first access::
+
+    import dtrain.runtime as rt
+
+    ctx = rt.init()                          # process group, node groups, mesh, job paths
+    model = rt.shard(model, ctx)             # MiCS = FSDP2 HSDP + hierarchical all-gather
+    for micro in ctx.accumulate(model, loader):
+        micro.scale(loss_fn(model(micro.batch))).backward()
+        if micro.is_boundary:
+            optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "init": "dtrain.runtime.context",
+    "RuntimeContext": "dtrain.runtime.context",
+    "DistributionConfig": "dtrain.runtime.config",
+    "shard": "dtrain.runtime.sharding",
+    "MicroStep": "dtrain.runtime.accumulation",
+    "CommStats": "dtrain.runtime.comm_stats",
+    "HierarchicalAllGather": "dtrain.runtime.collectives",
+    "hierarchical_all_gather": "dtrain.runtime.collectives",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'dtrain.runtime' has no attribute {name!r}")
+    value = getattr(import_module(module_name), name)
+    globals()[name] = value
+    return value

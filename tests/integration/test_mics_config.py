@@ -1,0 +1,167 @@
+"""MiCS runtime pieces that need no second process: settings, errors, the byte model, meta init.
+
+pytest tests/integration/test_mics_config.py -q
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.distributed as dist
+from dtrain.runtime.comm_stats import split_bytes
+from dtrain.runtime.config import DistributionConfig
+from dtrain.runtime.context import ProcessFacts, resolve_backend, validate_sharding_degree
+from torch import nn
+
+
+def test_importing_the_runtime_package_does_not_import_torch():
+    code = "import sys, dtrain.runtime as rt; rt.__all__; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_distribution_env_fills_missing_keys_with_defaults():
+    config = DistributionConfig.from_env({"DTRAIN_DISTRIBUTION": '{"sharding_degree": 2}'})
+    assert config == DistributionConfig(sharding_degree=2)
+    assert DistributionConfig.from_env({}).sharding_degree == "auto"
+    assert DistributionConfig.from_env({}).gradient_accumulation_steps == 1
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"sharding_degree": 0}, "sharding_degree"),
+        ({"sharding_degree": "half"}, "sharding_degree"),
+        ({"backend": "mpi"}, "backend"),
+        ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        ({"mixed_precision": "fp8"}, "mixed_precision"),
+        ({"hierarchical_allgather": "yes"}, "hierarchical_allgather"),
+        ({"hierarchical_allgather": True, "backend": "nccl"}, "hierarchical_allgather"),
+    ],
+)
+def test_bad_distribution_settings_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        DistributionConfig.from_mapping(bad)
+
+
+def test_bad_distribution_json_says_how_to_fix():
+    with pytest.raises(ValueError, match="JSON object"):
+        DistributionConfig.from_env({"DTRAIN_DISTRIBUTION": "[1, 2]"})
+
+
+def test_backend_auto_picks_gloo_on_cpu_and_nccl_without_cuda_is_refused():
+    assert resolve_backend("auto", cuda_available=False) == "gloo"
+    assert resolve_backend("auto", cuda_available=True) == "nccl"
+    assert resolve_backend("gloo", cuda_available=True) == "gloo"
+    with pytest.raises(ValueError, match="'auto' or 'gloo'"):
+        resolve_backend("nccl", cuda_available=False)
+
+
+def test_sharding_degree_must_divide_the_world_size():
+    validate_sharding_degree(4, world_size=8)
+    with pytest.raises(ValueError, match=r"use one of \[1, 2, 4, 8\]"):
+        validate_sharding_degree(3, world_size=8)
+
+
+def test_process_facts_follow_torch_elastic_variables():
+    env = {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+    }
+    facts = ProcessFacts.from_env(env)
+    assert (facts.rank, facts.local_rank, facts.node_rank, facts.num_nodes) == (5, 1, 1, 2)
+    with pytest.raises(ValueError, match="node-contiguous"):
+        ProcessFacts.from_env({**env, "GROUP_RANK": "0"})
+    assert ProcessFacts.from_env({}).world_size == 1
+
+
+def test_ring_model_splits_bytes_by_the_links_that_cross_nodes():
+    # 4 ranks on 2 nodes, 400 bytes gathered: 4 links x 300 bytes, 2 of them cross nodes.
+    assert split_bytes("all_gather", 400, size=4, num_nodes=2) == (150.0, 150.0)
+    assert split_bytes("all_gather", 400, size=2, num_nodes=1) == (200.0, 0.0)
+    assert split_bytes("all_gather", 400, size=2, num_nodes=2) == (0.0, 200.0)
+    assert split_bytes("all_reduce", 400, size=2, num_nodes=2) == (0.0, 400.0)
+    assert split_bytes("broadcast", 400, size=4, num_nodes=2) == (200.0, 100.0)
+    assert split_bytes("all_reduce", 400, size=1, num_nodes=1) == (0.0, 0.0)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class _Model(nn.Module):
+    _no_split_modules: ClassVar[list[str]] = ["_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.blocks(x))
+
+    def init_weights(self) -> None:
+        for p in self.parameters():
+            nn.init.constant_(p, 0.5)
+
+
+@pytest.fixture
+def one_process_ctx(monkeypatch):
+    import dtrain.runtime as rt
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SM_CHANNEL_TRAIN", "/data/train")
+    monkeypatch.setenv("DTRAIN_CHECKPOINT_DIR", "/tmp/ckpt")
+    assert not dist.is_initialized()
+    ctx = rt.init(distribution={"sharding_degree": 1, "activation_checkpointing": True})
+    yield rt, ctx
+    dist.destroy_process_group()
+
+
+def test_one_process_run_shards_a_meta_model_and_calls_init_weights(one_process_ctx):
+    rt, ctx = one_process_ctx
+    assert (ctx.world_size, ctx.is_main, ctx.backend) == (1, True, "gloo")
+    assert str(ctx.channel("train")) == "/data/train" and str(ctx.checkpoint_dir) == "/tmp/ckpt"
+    with pytest.raises(ValueError, match="Add it under inputs"):
+        ctx.channel("eval")
+    with torch.device("meta"):
+        model = _Model()
+    rt.shard(model, ctx, mixed_precision="bf16")
+    assert all(not p.is_meta for p in model.parameters())
+    assert all(torch.all(p.full_tensor() == 0.5) for p in model.parameters())
+    assert "CheckpointWrapper" in type(model.blocks[0]).__name__
+    for micro in ctx.accumulate(model, [torch.ones(2, 8)] * 3, steps=2):
+        micro.scale(model(micro.batch).float().sum()).backward()
+    assert model.out.weight.grad is not None
+
+
+def test_accumulate_marks_every_window_end_and_the_last_batch_as_boundaries(one_process_ctx):
+    _, ctx = one_process_ctx
+    flags = [m.is_boundary for m in ctx.accumulate(nn.Linear(1, 1), range(5), steps=2)]
+    assert flags == [False, True, False, True, True]
+
+
+def test_a_model_without_block_names_asks_for_block_classes(one_process_ctx):
+    rt, ctx = one_process_ctx
+    with pytest.raises(ValueError, match="block_classes"):
+        rt.shard(nn.Sequential(nn.Linear(2, 2)), ctx)
+
+
+def test_auto_sharding_degree_is_resolved_from_the_model_at_shard_time(one_process_ctx):
+    rt, _ = one_process_ctx
+    ctx = rt.init(distribution={"sharding_degree": "auto"})
+    assert ctx.mesh is None
+    rt.shard(_Model(), ctx)
+    assert ctx.sharding_degree == 1 and ctx.mesh is not None

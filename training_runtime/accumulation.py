@@ -1,0 +1,100 @@
+"""MiCS 2-hop gradient sync for gradient accumulation.
+
+Hop 1 runs on every micro-step: FSDP2 reduce-scatters gradients inside the partition group
+(fast, intra-node when the group fits a node) and keeps the sum of the shards. Hop 2, the
+all-reduce across replica groups, runs only on the accumulation boundary's backward
+(``set_requires_all_reduce(False)`` until then), so the slow cross-group traffic is paid once
+per optimizer step instead of once per micro-batch.
+
+Loss scaling: FSDP2 averages gradients over the ``world_size`` data-parallel ranks, and sums the
+micro-steps of one optimizer step. Divide each micro-batch's loss by the number of micro-steps
+(``micro.scale(loss)`` does it) so the step's gradient is the mean over the whole global batch,
+as a single process on that batch would compute it.
+
+Hand-written loop::
+
+    for micro in ctx.accumulate(model, loader):          # gradient_accumulation_steps from ctx
+        loss = micro.scale(loss_fn(model(micro.batch)))  # loss / steps
+        loss.backward()                                  # must run inside the loop body
+        if micro.is_boundary:
+            optimizer.step()
+            optimizer.zero_grad()
+
+or, when the caller owns the batching (a Trainer)::
+
+    with ctx.micro_step(model, boundary=(i + 1) % steps == 0):
+        (loss_fn(model(x)) / steps).backward()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """One micro-batch of an accumulation window."""
+
+    batch: Any
+    index: int  # position inside the window, 0-based
+    num_steps: int  # micro-steps per optimizer step
+    is_boundary: bool  # the last micro-step: gradients are fully synced after its backward
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss / num_steps``: the mean over the window once the micro-steps are summed."""
+        return loss / self.num_steps
+
+
+def set_sync_mode(model: torch.nn.Module, *, boundary: bool) -> None:
+    """Hop 2 (replica all-reduce) only when ``boundary``; hop 1 (reduce-scatter) always."""
+    if not isinstance(model, FSDPModule):
+        return  # not sharded (one process): nothing to sync
+    model.set_requires_all_reduce(boundary)
+    # FSDP2 finishes a backward's bookkeeping only on the last one; keep partial sums before.
+    model.set_is_last_backward(boundary)
+
+
+@contextmanager
+def micro_step(model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
+    """Run one micro-step's forward and backward inside; restores full sync on exit."""
+    set_sync_mode(model, boundary=boundary)
+    try:
+        yield
+    finally:
+        set_sync_mode(model, boundary=True)
+
+
+def accumulate(
+    model: torch.nn.Module, batches: Iterable[Any], *, steps: int
+) -> Iterator[MicroStep]:
+    """Yield micro-steps with the sync mode set for each; ``steps`` micro-steps per window.
+
+    A trailing partial window is still closed by a boundary on its last batch, so no gradient
+    is left unsynchronised; its ``scale`` uses ``steps`` all the same (shorter final window).
+    """
+    if steps < 1:
+        raise ValueError(f"gradient accumulation steps must be >= 1, got {steps}")
+    iterator = iter(batches)
+    try:
+        current = next(iterator)
+    except StopIteration:
+        return
+    index = 0
+    while True:
+        try:
+            upcoming = next(iterator)
+            last = False
+        except StopIteration:
+            upcoming, last = None, True
+        boundary = last or index == steps - 1
+        with micro_step(model, boundary=boundary):
+            yield MicroStep(current, index, steps, boundary)
+        if last:
+            return
+        current, index = upcoming, 0 if boundary else index + 1

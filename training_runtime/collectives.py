@@ -1,0 +1,111 @@
+"""MiCS hierarchical all-gather, plugged into FSDP2 through ``set_custom_all_gather``.
+
+When a partition group spans ``k`` nodes with ``L`` ranks on each (group rank ``r = n*L + l``
+for node ``n`` and local position ``l``), a flat ring all-gather pushes ``k·(N-1)/N`` of the data
+across nodes on every crossing link. MiCS gathers in two hops instead:
+
+1. inter-node: the ``k`` ranks of the group that share local position ``l`` all-gather their
+   shards (only ``(k-1)/k`` of a ``k``-rank gather crosses nodes, and it runs on ``L`` parallel
+   links);
+2. intra-node: the ``L`` ranks of my node all-gather those stage-1 buffers over fast links.
+
+Stage 2's buffer is ordered ``[l][n]``; FSDP2 expects ``[n*L + l]``, so a transposing copy
+writes the output. It only moves bytes, so the result is bit-identical to the flat all-gather.
+
+Why the FSDP2 hook works on gloo/CPU in torch 2.13: ``foreach_all_gather`` calls the custom
+``AllGather`` with the flat output buffer (whose own-rank slice is the input) and the shard
+group; ``wait_for_unshard`` treats a ``None`` work as already complete. Two dependent
+collectives cannot be returned as one ``Work``, so this implementation runs both stages
+synchronously and returns ``None`` (on CPU nothing overlaps anyway; with NCCL, ``backend: auto``
+still uses it, and the stages run on FSDP2's all-gather stream it is called under).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+
+@dataclass(frozen=True)
+class HierarchyGroups:
+    """The two stage groups of this rank's partition group (ranks sorted, node-contiguous)."""
+
+    inter: dist.ProcessGroup  # same local position, one rank per node of the partition group
+    intra: dist.ProcessGroup  # this node's ranks of the partition group
+    nodes_per_group: int  # k
+    ranks_per_node: int  # L
+
+
+def build_hierarchy_groups(
+    *, world_size: int, local_world_size: int, sharding_degree: int, rank: int
+) -> HierarchyGroups:
+    """Create the stage groups for every partition group (collective: all ranks must call).
+
+    Requires partition groups made of whole nodes: ``sharding_degree`` a multiple of
+    ``local_world_size``.
+    """
+    assert sharding_degree % local_world_size == 0 and sharding_degree > local_world_size
+    lws, degree = local_world_size, sharding_degree
+    k = degree // lws
+    mine_inter = mine_intra = None
+    # new_group is collective over the world, so every rank creates every group in one order.
+    for start in range(0, world_size, degree):
+        for local in range(lws):
+            ranks = [start + n * lws + local for n in range(k)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine_inter = group
+        for n in range(k):
+            ranks = [start + n * lws + j for j in range(lws)]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine_intra = group
+    assert mine_inter is not None and mine_intra is not None
+    return HierarchyGroups(mine_inter, mine_intra, k, lws)
+
+
+class HierarchicalAllGather(AllGather):
+    """FSDP2 ``AllGather``: inter-node stage, then intra-node stage; same bytes as flat."""
+
+    def __init__(self, groups: HierarchyGroups) -> None:
+        self.groups = groups
+
+    def allocate(
+        self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> None:
+        k, per_node = self.groups.nodes_per_group, self.groups.ranks_per_node
+        if group.size() != k * per_node:
+            raise ValueError(
+                f"hierarchical all-gather built for partition groups of {k * per_node} ranks "
+                f"was called on a group of {group.size()}; build it for this mesh"
+            )
+        hierarchical_all_gather(output_tensor, input_tensor, self.groups)
+
+
+def hierarchical_all_gather(
+    output: torch.Tensor, shard: torch.Tensor, groups: HierarchyGroups
+) -> torch.Tensor:
+    """All-gather ``shard`` into ``output`` (flat layout, group-rank order) in two hops."""
+    k, per_node = groups.nodes_per_group, groups.ranks_per_node
+    numel = shard.numel()
+    assert output.numel() == numel * k * per_node
+    shard = shard.contiguous()
+    across_nodes = torch.empty(k * numel, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_single(across_nodes, shard.view(-1), group=groups.inter)
+    on_node = torch.empty(per_node * k * numel, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_single(on_node, across_nodes, group=groups.intra)
+    # on_node is [l][n][chunk]; the flat all-gather's layout is [n][l][chunk].
+    output.view(k, per_node, numel).copy_(on_node.view(per_node, k, numel).transpose(0, 1))
+    return output

@@ -1,0 +1,220 @@
+"""Communication accounting: calls and bytes per collective kind, split intra-/inter-node.
+
+The counters observe the real calls: :func:`install` wraps the public collective functions of
+``torch.distributed`` (and the same names in ``distributed_c10d``), which is where FSDP2 issues
+its all-gathers, reduce-scatters and all-reduces (it looks them up on the module at call time).
+Nothing is re-derived from the model. A collective called from inside another wrapped one (e.g.
+a legacy alias forwarding to the new name) is counted once, by the outermost call.
+
+Byte model. Each process records its own calls. For a collective on a group of ``N`` ranks
+holding ``S`` bytes of full data (the all-gather output, the reduce-scatter input, the
+all-reduce tensor), we count the bytes the whole collective moves over links under the ring
+algorithm on the group's ranks in ascending order, divided by ``N`` (so summing every rank's
+snapshot gives the collective's total):
+
+* all-gather, reduce-scatter: each of the ``N`` ring links carries ``(N-1)/N * S``;
+* all-reduce (reduce-scatter then all-gather): each link carries ``2(N-1)/N * S``;
+* broadcast (a chain): each of the ``N-1`` links carries ``S``.
+
+Ranks are node-contiguous (node = rank // LOCAL_WORLD_SIZE), so a ring over a group whose ranks
+sit on ``k`` nodes has exactly ``k`` links that cross nodes when ``k > 1`` (none when ``k == 1``;
+a chain has ``k - 1``). Inter-node bytes = crossing links × bytes per link / N, intra-node bytes
+= the rest. A group inside one node is thus all intra; a group with one rank per node (the
+inter-node group, a hierarchical all-gather's first stage) is all inter.
+
+Usage::
+
+    stats = ctx.comm_stats          # or CommStats(local_world_size=...) + install()
+    stats.reset()
+    train_step()
+    snap = stats.snapshot()         # {"all_gather": {"calls": 4, "intra_bytes": ..., ...}, ...}
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+# wrapped function name -> (kind, how to find the full-data bytes from the call's arguments)
+_SIZE_FROM = {
+    "output": lambda args, kw: _nbytes(kw.get("output_tensor", kw.get("output", _arg(args, 0)))),
+    "input": lambda args, kw: _nbytes(kw.get("input", kw.get("input_tensor", _arg(args, 1)))),
+    "list": lambda args, kw: sum(_nbytes(t) for t in kw.get("tensor_list", _arg(args, 0))),
+    "tensor": lambda args, kw: _nbytes(kw.get("tensor", _arg(args, 0))),
+    "tensors": lambda args, kw: sum(_nbytes(t) for t in kw.get("tensors", _arg(args, 0))),
+}
+_WRAPPED = {
+    "all_gather_single": ("all_gather", "output"),
+    "all_gather_into_tensor": ("all_gather", "output"),
+    "_all_gather_base": ("all_gather", "output"),
+    "all_gather": ("all_gather", "list"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "_reduce_scatter_base": ("reduce_scatter", "input"),
+    "all_reduce": ("all_reduce", "tensor"),
+    "all_reduce_coalesced": ("all_reduce", "tensors"),
+    "broadcast": ("broadcast", "tensor"),
+}
+_GROUP_POSITION = {
+    "all_reduce": 2,
+    "all_reduce_coalesced": 2,
+    "broadcast": 2,
+    "reduce_scatter_single": 3,
+    "reduce_scatter_tensor": 3,
+    "_reduce_scatter_base": 3,
+}
+
+
+def _arg(args: tuple, index: int) -> Any:
+    return args[index] if len(args) > index else None
+
+
+def _nbytes(tensor: Any) -> int:
+    if not isinstance(tensor, torch.Tensor):
+        return 0
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class _GroupSpan:
+    size: int
+    num_nodes: int
+
+
+@dataclass
+class _Counter:
+    calls: int = 0
+    intra_bytes: float = 0.0
+    inter_bytes: float = 0.0
+
+
+class CommStats:
+    """Per-process collective counters; :meth:`reset` between steps, :meth:`snapshot` to read."""
+
+    def __init__(self, *, local_world_size: int) -> None:
+        if local_world_size < 1:
+            raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
+        self.local_world_size = local_world_size
+        self._counters = {kind: _Counter() for kind in KINDS}
+        self._spans: dict[int, tuple[Any, _GroupSpan]] = {}
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counters = {kind: _Counter() for kind in KINDS}
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Counters per kind plus ``"total"``; a copy, safe to keep across :meth:`reset`."""
+        with self._lock:
+            out = {kind: vars(c).copy() for kind, c in self._counters.items()}
+        out["total"] = {
+            key: sum(out[kind][key] for kind in KINDS)
+            for key in ("calls", "intra_bytes", "inter_bytes")
+        }
+        return out
+
+    def record(self, kind: str, group: Any, full_bytes: int) -> None:
+        """Count one collective of ``kind`` on ``group`` over ``full_bytes`` of full data."""
+        span = self._span(group)
+        intra, inter = split_bytes(kind, full_bytes, size=span.size, num_nodes=span.num_nodes)
+        with self._lock:
+            counter = self._counters[kind]
+            counter.calls += 1
+            counter.intra_bytes += intra
+            counter.inter_bytes += inter
+
+    def _span(self, group: Any) -> _GroupSpan:
+        group = group if group is not None else c10d._get_default_group()
+        cached = self._spans.get(id(group))
+        if cached is not None and cached[0] is group:
+            return cached[1]
+        ranks = dist.get_process_group_ranks(group)
+        span = _GroupSpan(len(ranks), len({r // self.local_world_size for r in ranks}))
+        # Keep the group referenced so its id() cannot be reused by another object.
+        self._spans[id(group)] = (group, span)
+        return span
+
+
+def split_bytes(kind: str, full_bytes: int, *, size: int, num_nodes: int) -> tuple[float, float]:
+    """This rank's share ``(intra, inter)`` of a collective's link bytes (module docstring)."""
+    if size <= 1:
+        return 0.0, 0.0
+    if kind == "broadcast":
+        total, crossing_per_link = (size - 1) * full_bytes, num_nodes - 1
+        per_link = float(full_bytes)
+    else:
+        factor = 2.0 if kind == "all_reduce" else 1.0
+        per_link = factor * (size - 1) * full_bytes / size
+        total = size * per_link
+        crossing_per_link = num_nodes if num_nodes > 1 else 0
+    inter = crossing_per_link * per_link
+    return (total - inter) / size, inter / size
+
+
+_active: list[CommStats] = []
+_state = threading.local()
+_installed = False
+_process_stats: CommStats | None = None
+
+
+def install(stats: CommStats) -> None:
+    """Start counting into ``stats`` (idempotent); wraps the collectives on first use."""
+    global _installed
+    if stats not in _active:
+        _active.append(stats)
+    if _installed:
+        return
+    for name, (kind, size_from) in _WRAPPED.items():
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+        wrapper = _wrap(original, kind, _SIZE_FROM[size_from], _GROUP_POSITION.get(name, 2))
+        setattr(c10d, name, wrapper)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, wrapper)
+    _installed = True
+
+
+def process_stats(*, local_world_size: int) -> CommStats:
+    """The process-wide counters :func:`dtrain.runtime.init` hands out, installed once."""
+    global _process_stats
+    if _process_stats is None or _process_stats.local_world_size != local_world_size:
+        if _process_stats is not None:
+            uninstall(_process_stats)
+        _process_stats = CommStats(local_world_size=local_world_size)
+        install(_process_stats)
+    return _process_stats
+
+
+def uninstall(stats: CommStats) -> None:
+    """Stop counting into ``stats``; the wrappers stay (they are no-ops with nothing active)."""
+    if stats in _active:
+        _active.remove(stats)
+
+
+def _wrap(original: Callable, kind: str, size_of: Callable, group_pos: int) -> Callable:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        depth = getattr(_state, "depth", 0)
+        if depth == 0 and _active:
+            group = kwargs.get("group", _arg(args, group_pos))
+            full = size_of(args, kwargs)
+            for stats in _active:
+                stats.record(kind, group, full)
+        _state.depth = depth + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _state.depth = depth
+
+    wrapper.__dtrain_wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
