@@ -1,0 +1,115 @@
+"""Read a job's CloudWatch Logs: every host's stream, merged by time, optionally followed.
+
+SageMaker writes ``/aws/sagemaker/TrainingJobs`` streams named ``<job>/algo-<N>-<epoch>``; the
+node agent prefixes worker lines with ``[<host> <rank>]:`` (torch elastic's line prefix), which
+is what the ``rank`` filter matches.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+SAGEMAKER_LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+_RANK_PREFIX = re.compile(r"^\[\S+ (\d+)\]:")
+
+
+@dataclass
+class _StreamCursor:
+    name: str
+    token: str | None = None
+    seen_first_page: bool = False
+
+
+@dataclass
+class LogFilter:
+    host: str | None = None  # "algo-1"
+    rank: int | None = None
+
+    def stream_matches(self, stream: str, job: str) -> bool:
+        if self.host is None:
+            return True
+        rest = stream[len(job) + 1:]
+        return rest == self.host or rest.startswith(self.host + "-")
+
+    def line_matches(self, message: str) -> bool:
+        if self.rank is None:
+            return True
+        match = _RANK_PREFIX.match(message)
+        return bool(match) and int(match.group(1)) == self.rank
+
+
+@dataclass
+class LogReader:
+    """Polls the streams of one job. ``done`` says when following may stop (job finished)."""
+
+    client: Any
+    job_name: str
+    log_group: str = SAGEMAKER_LOG_GROUP
+    filter: LogFilter = field(default_factory=LogFilter)
+    poll_s: float = 5.0
+    sleep: Callable[[float], None] = time.sleep
+    _cursors: dict[str, _StreamCursor] = field(default_factory=dict)
+
+    def _discover(self) -> None:
+        prefix = self.job_name + "/"
+        try:
+            pages = self.client.get_paginator("describe_log_streams").paginate(
+                logGroupName=self.log_group, logStreamNamePrefix=prefix)
+            for page in pages:
+                for stream in page.get("logStreams", []):
+                    name = stream["logStreamName"]
+                    if name not in self._cursors and self.filter.stream_matches(name, self.job_name):
+                        self._cursors[name] = _StreamCursor(name)
+        except Exception as exc:  # the group appears only once the first host starts
+            if "ResourceNotFoundException" not in type(exc).__name__ + str(exc):
+                raise
+
+    def _read_new(self, cursor: _StreamCursor) -> list[tuple[int, str, str]]:
+        events: list[tuple[int, str, str]] = []
+        while True:
+            kwargs: dict[str, Any] = {"logGroupName": self.log_group,
+                                      "logStreamName": cursor.name, "startFromHead": True}
+            if cursor.token:
+                kwargs["nextToken"] = cursor.token
+            page = self.client.get_log_events(**kwargs)
+            batch = page.get("events", [])
+            events.extend((e["timestamp"], cursor.name, e["message"]) for e in batch)
+            token = page.get("nextForwardToken")
+            unchanged = token == cursor.token
+            cursor.token = token
+            if unchanged or not batch:
+                return events
+
+    def poll(self) -> list[str]:
+        """New lines since the last call, ``<host>: <message>``, in time order."""
+        self._discover()
+        events: list[tuple[int, str, str]] = []
+        for cursor in self._cursors.values():
+            events.extend(self._read_new(cursor))
+        events.sort(key=lambda e: e[0])
+        lines = []
+        for _, stream, message in events:
+            message = message.rstrip("\n")
+            if self.filter.line_matches(message):
+                lines.append(f"{_host_of(stream, self.job_name)}: {message}")
+        return lines
+
+    def lines(self, *, follow: bool = False,
+              done: Callable[[], bool] = lambda: True) -> Iterator[str]:
+        """Everything so far; with ``follow``, keep polling until ``done()`` and one last read."""
+        yield from self.poll()
+        while follow:
+            finished = done()
+            self.sleep(0 if finished else self.poll_s)
+            yield from self.poll()
+            if finished:
+                return
+
+
+def _host_of(stream: str, job: str) -> str:
+    rest = stream[len(job) + 1:] if stream.startswith(job + "/") else stream
+    parts = rest.split("-")
+    return "-".join(parts[:2]) if len(parts) >= 2 and parts[0] == "algo" else rest
