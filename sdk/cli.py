@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 
 import click
-
 from dtrain import __version__
 from dtrain.cli_common import OUTPUT_OPTION, echo_json, load_spec, spec_options
 

@@ -92,7 +92,7 @@ LOCAL_CPU_TFLOPS = 0.1
 
 def canonical_name(name: str) -> str:
     """``ml.p4d.24xlarge`` → ``p4d.24xlarge``; the catalog keys carry no ``ml.`` prefix."""
-    return name[3:] if name.startswith("ml.") else name
+    return name.removeprefix("ml.")
 
 
 def get(name: str) -> InstanceType:

@@ -15,12 +15,19 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
-from pydantic import ValidationError, field_validator, model_validator
-
 from dtrain import instances
 from dtrain.errors import SpecError, SpecWarning
 from dtrain.spec_smp import translate_distribution
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 RECIPE_PREFIX = "recipe:"
 RESERVED_HP_PREFIXES = ("dtrain_", "sagemaker_")

@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 import yaml
-
 from dtrain.errors import SpecError
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from dtrain import costmodel, partitioning
 from dtrain.planner import plan
 from dtrain.spec import JobSpec

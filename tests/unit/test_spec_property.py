@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import warnings
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from dtrain.errors import SpecError
 from dtrain.spec import JobSpec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 FIELDS = {
     "": ["name", "entry_point", "source_dir", "hyperparameters", "compute", "distribution",

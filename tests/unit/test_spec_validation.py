@@ -5,7 +5,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-
 from dtrain.errors import SpecError, SpecWarning
 from dtrain.spec import JobSpec
 
