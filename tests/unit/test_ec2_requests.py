@@ -1,0 +1,172 @@
+"""EC2 request building: the exact calls a p4d or p5 job makes, checked against golden JSON.
+
+Regenerate the golden files after an intended change with
+``DTRAIN_UPDATE_GOLDEN=1 pytest tests/unit/test_ec2_requests.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from dtrain.errors import SpecError
+from dtrain.launcher import ec2
+from dtrain.launcher import ec2_requests as req
+from dtrain.planner import plan
+from dtrain.spec import JobSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "ec2-p4d.yaml"
+GOLDEN = ROOT / "tests" / "golden"
+JOB = "pythia-1b-ec2-20250101-000000"
+P5_OVERRIDES = [
+    "compute.instance_type=p5.48xlarge", "compute.instance_count=2",
+    "ec2.ami=ami-0123456789abcdef0", "ec2.subnet_id=null", "ec2.ssh_cidr=203.0.113.7/32",
+    "ec2.instance_profile=arn:aws:iam::111122223333:instance-profile/dtrain-node",
+    "ec2.capacity_reservation_id=cr-0123456789abcdef0", "ec2.capacity_block=true",
+    "ec2.placement_group=my-cluster-pg", "ec2.key_name=ops",
+]
+
+
+@pytest.fixture(autouse=True)
+def _dtrain_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRAIN_HOME", str(tmp_path / "home"))
+
+
+def build(overrides=(), job=JOB):
+    return req.build_request(plan(JobSpec.from_file(EXAMPLE, overrides=list(overrides))),
+                             job_name=job)
+
+
+def job_config(user_data: str) -> dict:
+    """The job JSON the user data writes to job.json (between the heredoc markers)."""
+    body = user_data.split("<<'DTRAIN_JOB_JSON'\n", 1)[1].split("\nDTRAIN_JOB_JSON\n", 1)[0]
+    return json.loads(body)
+
+
+@pytest.mark.parametrize("name,overrides", [("p4d", []), ("p5", P5_OVERRIDES)])
+def test_request_set_matches_golden(name, overrides):
+    request = build(overrides)
+    path = GOLDEN / f"ec2_{name}.json"
+    if os.environ.get("DTRAIN_UPDATE_GOLDEN"):
+        path.write_text(ec2.dumps(request) + "\n")
+    assert json.loads(path.read_text()) == json.loads(ec2.dumps(request))
+
+
+def test_p4d_nodes_get_four_efa_interfaces_one_per_network_card():
+    for rank, node in enumerate(build()["run_instances"]):
+        cards = node["NetworkInterfaces"]
+        assert [(c["NetworkCardIndex"], c["DeviceIndex"], c["InterfaceType"]) for c in cards] == [
+            (0, 0, "efa"), (1, 1, "efa"), (2, 1, "efa"), (3, 1, "efa")]
+        assert {c["SubnetId"] for c in cards} == {"{{subnet_id}}"}
+        assert node["InstanceType"] == "p4d.24xlarge" and node["MinCount"] == node["MaxCount"] == 1
+        assert node["Placement"] == {"GroupName": f"dtrain-{JOB}-{{{{launch_token}}}}"}
+
+
+def test_p5_nodes_get_32_interfaces_efa_only_beyond_card_0():
+    node = build(P5_OVERRIDES)["run_instances"][0]
+    cards = node["NetworkInterfaces"]
+    assert len(cards) == 32
+    assert (cards[0]["DeviceIndex"], cards[0]["InterfaceType"]) == (0, "efa")
+    assert {(c["DeviceIndex"], c["InterfaceType"]) for c in cards[1:]} == {(1, "efa-only")}
+    assert [c["NetworkCardIndex"] for c in cards] == list(range(32))
+
+
+def test_security_group_admits_only_itself_and_no_ssh_by_default():
+    sg = build()["security_group"]
+    ingress = sg["AuthorizeSecurityGroupIngress"]["IpPermissions"]
+    assert ingress == [{"IpProtocol": "-1", "UserIdGroupPairs": [
+        {"GroupId": "{{security_group_id}}", "Description": ingress[0]["UserIdGroupPairs"][0][
+            "Description"]}]}]
+    assert "0.0.0.0/0" not in json.dumps(sg)
+    egress = sg["AuthorizeSecurityGroupEgress"]["IpPermissions"]
+    assert egress[0]["UserIdGroupPairs"][0]["GroupId"] == "{{security_group_id}}"
+
+
+def test_ssh_rule_only_from_the_given_cidr():
+    ingress = build(P5_OVERRIDES)["security_group"]["AuthorizeSecurityGroupIngress"]
+    ssh = [p for p in ingress["IpPermissions"] if p["IpProtocol"] == "tcp"]
+    assert ssh == [{"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, "IpRanges": [
+        {"CidrIp": "203.0.113.7/32", "Description": "SSH (ec2.ssh_cidr)"}]}]
+
+
+def test_every_node_requires_imdsv2_terminates_on_shutdown_and_is_tagged():
+    for rank, node in enumerate(build()["run_instances"]):
+        assert node["MetadataOptions"]["HttpTokens"] == "required"
+        assert node["InstanceInitiatedShutdownBehavior"] == "terminate"
+        assert node["IamInstanceProfile"] == {"Name": "dtrain-node"}
+        assert node["BlockDeviceMappings"][0]["Ebs"]["VolumeSize"] == 500
+        for spec in node["TagSpecifications"]:
+            tags = {t["Key"]: t["Value"] for t in spec["Tags"]}
+            assert tags[req.TAG_JOB] == JOB and tags[req.TAG_CREATED_BY] == "dtrain"
+            assert tags[req.TAG_NODE_RANK] == str(rank) and tags["team"] == "ml-platform"
+        assert "InstanceMarketOptions" not in node
+
+
+def test_user_data_carries_the_rank_the_wheel_and_the_job_config():
+    request = build()
+    for rank, node in enumerate(request["run_instances"]):
+        text = node["UserData"]
+        assert text.startswith("#!/bin/bash\n")
+        assert f"export DTRAIN_NODE_RANK={rank}\n" in text
+        assert f"{request['prefix']}/source/{req.WHEEL_NAME}" in text
+        assert "shutdown -h +735 " in text  # 12 h max_run + 15 min margin, in minutes
+        config = job_config(text)
+        assert config["num_nodes"] == 2 and config["settings"]["processes_per_host"] == 8
+        assert config["settings"]["distribution"]["sharding_degree"] == 8
+        assert config["channels"] == {"train": "s3://dtrain-example-bucket/datasets/pile/train"}
+        assert config["source"] == f"{request['prefix']}/source/sourcedir.tar.gz"
+
+
+def test_capacity_block_and_reservation_targeting():
+    node = build(P5_OVERRIDES)["run_instances"][0]
+    assert node["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+    assert node["CapacityReservationSpecification"] == {
+        "CapacityReservationTarget": {"CapacityReservationId": "cr-0123456789abcdef0"}}
+
+
+def test_existing_placement_group_is_used_not_created():
+    request = build(P5_OVERRIDES)
+    assert request["placement_group"] == {"create": False, "GroupName": "my-cluster-pg"}
+    assert request["run_instances"][0]["Placement"] == {"GroupName": "my-cluster-pg"}
+
+
+def test_spot_uses_one_time_spot_market_options():
+    node = build(["compute.use_spot=true"])["run_instances"][0]
+    assert node["InstanceMarketOptions"]["MarketType"] == "spot"
+    assert node["InstanceMarketOptions"]["SpotOptions"]["InstanceInterruptionBehavior"] == \
+        "terminate"
+
+
+def test_spot_with_capacity_block_is_refused_with_the_fix():
+    with pytest.raises(SpecError, match="use_spot"):
+        build(["compute.use_spot=true", "ec2.capacity_reservation_id=cr-1",
+               "ec2.capacity_block=true"])
+
+
+def test_ami_auto_is_a_documented_ssm_lookup_not_a_call():
+    lookups = build()["lookups"]
+    assert lookups["ami_id"] == {"ssm_parameter": req.DLAMI_SSM_PARAMETER}
+    assert req.DLAMI_SSM_PARAMETER.startswith("/aws/service/deeplearning/ami/x86_64/")
+
+
+def test_cost_line_and_confirmation_threshold():
+    request = build()
+    assert req.cost_line(request["cost"]) == (
+        "cost: 2 × p4d.24xlarge × $32.77/h × 12 h max_run = up to $786.54")
+    assert ec2.needs_confirmation(request)
+    assert not ec2.needs_confirmation(build(["ec2.confirm_above_usd=1000"]))
+
+
+def test_user_data_over_the_ec2_limit_is_a_one_line_spec_error():
+    with pytest.raises(SpecError, match="user-data limit"):
+        build(["hyperparameters.blob=" + "x" * 20000])
+
+
+def test_build_request_is_pure(monkeypatch):
+    import boto3
+
+    monkeypatch.setattr(boto3, "client", lambda *a, **k: pytest.fail("no AWS client"))
+    assert build() == build()
