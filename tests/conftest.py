@@ -1,0 +1,44 @@
+"""Shared fixtures: every test gets its own DTRAIN_HOME so no test touches ~/.dtrain."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def dtrain_home(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.mktemp("dtrain-home")
+    monkeypatch.setenv("DTRAIN_HOME", str(home))
+    monkeypatch.delenv("DTRAIN_JOBS_DB", raising=False)
+    return home
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _is_zombie(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.fixture
+def live_processes():
+    """``live_processes(text)`` -> cmdlines of running (non-zombie) processes that mention text."""
+    def find(text: str) -> list[str]:
+        me = str(os.getpid())
+        return [
+            cmd for pid in os.listdir("/proc")
+            if pid.isdigit() and pid != me and text in (cmd := _cmdline(pid))
+            and not _is_zombie(pid)
+        ]
+    return find

@@ -1,0 +1,79 @@
+"""The job store: records, look-ups, sticky final states, and many writers at once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from dtrain.errors import DtrainError
+from dtrain.store import COMPLETED, FAILED, RUNNING, JobStore, default_db_path
+
+
+def test_database_lives_under_dtrain_home_unless_overridden(dtrain_home, monkeypatch, tmp_path):
+    assert default_db_path() == os.path.join(str(dtrain_home), "jobs.db")
+    monkeypatch.setenv("DTRAIN_JOBS_DB", str(tmp_path / "other.db"))
+    assert JobStore().path == str(tmp_path / "other.db")
+
+
+def test_a_job_round_trips_with_spec_and_target_data():
+    store = JobStore()
+    rec = store.create(name="demo", target="local", spec={"a": [1, 2]},
+                       target_data={"pids": [1]}, log_location="/logs")
+    got = store.get(rec.id)
+    assert got.spec == {"a": [1, 2]} and got.target_data == {"pids": [1]}
+    assert got.status == "Pending" and got.log_location == "/logs"
+    updated = store.update(rec.id, status=RUNNING, started_at=5.0, target_data={"monitor": 9})
+    assert updated.status == RUNNING and updated.started_at == 5.0
+    assert updated.target_data == {"pids": [1], "monitor": 9}
+
+
+def test_final_states_are_sticky():
+    store = JobStore()
+    rec = store.create(name="demo", target="local", spec={})
+    store.update(rec.id, status=FAILED, failure_reason="rank 1 failed")
+    after = store.update(rec.id, status=COMPLETED)
+    assert after.status == FAILED and after.failure_reason == "rank 1 failed"
+    assert after.ended_at is not None
+
+
+def test_find_by_id_prefix_or_latest_name():
+    store = JobStore()
+    first = store.create(name="same", target="local", spec={}, job_id="abc111")
+    second = store.create(name="same", target="local", spec={}, job_id="abd222")
+    assert store.find("abc111") == first
+    assert store.find("abd").id == second.id
+    assert store.find("same").id == second.id
+    with pytest.raises(DtrainError, match="matches 2 jobs"):
+        store.find("ab")
+    with pytest.raises(DtrainError, match="no job"):
+        store.find("zzz")
+
+
+def test_list_is_newest_first_and_filters():
+    store = JobStore()
+    ids = [store.create(name=f"j{i}", target="local" if i % 2 else "ec2", spec={}).id
+           for i in range(4)]
+    assert [r.id for r in store.list()] == ids[::-1]
+    assert {r.target for r in store.list(target="ec2")} == {"ec2"}
+
+
+def _hammer(args):
+    path, n = args
+    store = JobStore(path)
+    for i in range(n):
+        rec = store.create(name=f"w{os.getpid()}", target="local", spec={"i": i})
+        store.update(rec.id, status=RUNNING, target_data={"i": i})
+        store.update(rec.id, status=COMPLETED)
+        store.list(limit=5)
+    return n
+
+
+def test_many_processes_write_at_once_without_database_errors(tmp_path):
+    path = str(tmp_path / "jobs.db")
+    with multiprocessing.get_context("spawn").Pool(6) as pool:
+        done = sum(pool.map(_hammer, [(path, 15)] * 6))
+    records = JobStore(path).list()
+    assert done == len(records) == 90
+    assert {r.status for r in records} == {COMPLETED}
