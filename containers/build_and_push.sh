@@ -32,7 +32,7 @@ PLATFORM="linux/amd64"
 PUSH=1
 DRY_RUN=0
 
-usage() { sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"; }
 
 die() { printf 'build_and_push: error: %s\n' "$*" >&2; exit 2; }
 

@@ -4,14 +4,16 @@
 #   dtrain-entrypoint train [AGENT ARGS...]   unpack the job's code, run the node agent
 #   dtrain-entrypoint COMMAND [ARGS...]       run COMMAND as given (bash, python, ...)
 #
-# SageMaker starts training containers as `docker run IMAGE train`; the dtrain EC2 launcher does
-# the same. `train` becomes `python -m dtrain.runtime --root $DTRAIN_ROOT`, after the code is put
+# SageMaker starts training containers as `docker run IMAGE train`; dtrain's EC2 bootstrap runs
+# `IMAGE bash -c ...` (passed through). `train` becomes `python -m dtrain.runtime --root $DTRAIN_ROOT`, after the code is put
 # in $DTRAIN_ROOT/code from the first of:
 #   1. $DTRAIN_CODE_TARBALL          a local .tar.gz, or an s3:// URI
-#   2. the `sagemaker_submit_directory` hyperparameter (SageMaker SDK script mode): s3:// or local
-#   3. the `code` input channel: sourcedir.tar.gz (or any one .tar.gz) is unpacked, other files
-#      are copied
-# Nothing found means the code is already there (baked into the image or a recipe).
+#   2. an input channel `dtrain_code`, `dtrain_source` or `code` (what dtrain's SageMaker launcher
+#      and SageMaker's ModelTrainer send): sourcedir.tar.gz (or the one .tar.gz) is unpacked,
+#      a channel of plain files is copied
+#   3. the `sagemaker_submit_directory` hyperparameter (SageMaker SDK script mode): s3:// or local
+# Nothing found means the code is already there (baked into the image, or a recipe). A
+# requirements.txt in the code is installed first, as the SageMaker training toolkit does.
 #
 # Environment: DTRAIN_ROOT (default /opt/ml), DTRAIN_PYTHON (default python3).
 set -euo pipefail
@@ -19,7 +21,8 @@ set -euo pipefail
 ROOT="${DTRAIN_ROOT:-/opt/ml}"
 PYTHON="${DTRAIN_PYTHON:-python3}"
 CODE_DIR="${ROOT}/code"
-CODE_CHANNEL_DIR="${ROOT}/input/data/code"
+DATA_DIR="${ROOT}/input/data"
+CODE_CHANNELS=(dtrain_code dtrain_source code)
 HYPERPARAMETERS_FILE="${ROOT}/input/config/hyperparameters.json"
 
 log() { printf 'dtrain-entrypoint: %s\n' "$*" >&2; }
@@ -34,7 +37,8 @@ die() {
 }
 
 usage() {
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    # The comment block at the top of this file, without the '#'.
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
 }
 
 # The hyperparameter's value, JSON-decoded as the SageMaker SDK encodes it; empty when absent.
@@ -85,32 +89,44 @@ unpack_tarball() {
     [[ -z "${downloaded}" ]] || rm -f "${downloaded}"
 }
 
+# Unpack or copy one code channel; returns 1 when the channel is absent.
+code_from_channel() {
+    local channel="$1" archives
+    [[ -d "${channel}" ]] || return 1
+    shopt -s nullglob
+    archives=("${channel}"/*.tar.gz)
+    shopt -u nullglob
+    if [[ -f "${channel}/sourcedir.tar.gz" ]]; then
+        unpack_tarball "${channel}/sourcedir.tar.gz"
+    elif (( ${#archives[@]} == 1 )); then
+        unpack_tarball "${archives[0]}"
+    elif (( ${#archives[@]} > 1 )); then
+        die "code channel ${channel} holds ${#archives[@]} archives; ship one sourcedir.tar.gz"
+    else
+        mkdir -p "${CODE_DIR}"
+        log "copying ${channel} into ${CODE_DIR}"
+        cp -a "${channel}/." "${CODE_DIR}/"
+    fi
+}
+
 prepare_code() {
-    local submit_dir archives
+    local channel submit_dir
     if [[ -n "${DTRAIN_CODE_TARBALL:-}" ]]; then
         unpack_tarball "${DTRAIN_CODE_TARBALL}"
         return
     fi
+    for channel in "${CODE_CHANNELS[@]}"; do
+        code_from_channel "${DATA_DIR}/${channel}" && return
+    done
     submit_dir="$(submit_directory_hyperparameter)" || die "cannot read ${HYPERPARAMETERS_FILE}"
-    if [[ -n "${submit_dir}" ]]; then
-        unpack_tarball "${submit_dir}"
-        return
-    fi
-    [[ -d "${CODE_CHANNEL_DIR}" ]] || return 0
-    shopt -s nullglob
-    archives=("${CODE_CHANNEL_DIR}"/*.tar.gz)
-    shopt -u nullglob
-    if [[ -f "${CODE_CHANNEL_DIR}/sourcedir.tar.gz" ]]; then
-        unpack_tarball "${CODE_CHANNEL_DIR}/sourcedir.tar.gz"
-    elif (( ${#archives[@]} == 1 )); then
-        unpack_tarball "${archives[0]}"
-    elif (( ${#archives[@]} > 1 )); then
-        die "code channel holds ${#archives[@]} archives; ship one sourcedir.tar.gz"
-    else
-        mkdir -p "${CODE_DIR}"
-        log "copying the code channel into ${CODE_DIR}"
-        cp -a "${CODE_CHANNEL_DIR}/." "${CODE_DIR}/"
-    fi
+    [[ -z "${submit_dir}" ]] || unpack_tarball "${submit_dir}"
+}
+
+install_requirements() {
+    [[ -f "${CODE_DIR}/requirements.txt" ]] || return 0
+    log "installing ${CODE_DIR}/requirements.txt"
+    "${PYTHON}" -m pip install --no-cache-dir --quiet -r "${CODE_DIR}/requirements.txt" \
+        || die "pip could not install ${CODE_DIR}/requirements.txt"
 }
 
 main() {
@@ -119,6 +135,7 @@ main() {
         train)
             if (( $# > 0 )); then shift; fi
             prepare_code
+            install_requirements
             export DTRAIN_ROOT="${ROOT}"
             exec "${PYTHON}" -m dtrain.runtime --root "${ROOT}" "$@"
             ;;

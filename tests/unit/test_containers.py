@@ -211,12 +211,15 @@ def ml_root(tmp_path) -> Path:
 
 @pytest.fixture
 def stub_python(tmp_path) -> Path:
-    """A python that records node-agent invocations and runs everything else for real."""
+    """A python that records node-agent and pip invocations and runs everything else for real."""
     stub = tmp_path / "python-stub"
     stub.write_text(
         "#!/usr/bin/env bash\n"
-        'if [[ "$1" == "-m" ]]; then\n'
+        'if [[ "$1 $2" == "-m dtrain.runtime" ]]; then\n'
         '    { printf "%s\\n" "$@"; echo "DTRAIN_ROOT=$DTRAIN_ROOT"; } > "$STUB_RECORD"\n'
+        "    exit 0\n"
+        'elif [[ "$1 $2" == "-m pip" ]]; then\n'
+        '    printf "%s\\n" "$@" > "$STUB_RECORD.pip"\n'
         "    exit 0\n"
         "fi\n"
         f'exec {shlex.quote(sys.executable)} "$@"\n'
@@ -294,6 +297,32 @@ def test_entrypoint_unpacks_sourcedir_from_the_code_channel(ml_root, stub_python
     make_tarball(ml_root / "input" / "data" / "code" / "sourcedir.tar.gz", {"train.py": "y\n"})
     assert run_entrypoint(ml_root, "train", python=stub_python).returncode == 0
     assert (ml_root / "code" / "train.py").read_text() == "y\n"
+
+
+def test_entrypoint_prefers_the_dtrain_code_channel_over_downloading_the_submit_directory(
+        ml_root, stub_python):
+    """dtrain's SageMaker launcher sends both; the channel needs no network (isolation)."""
+    make_tarball(ml_root / "input" / "data" / "dtrain_code" / "sourcedir.tar.gz",
+                 {"train.py": "channel\n"})
+    hyperparameters = {"sagemaker_submit_directory":
+                       json.dumps("s3://no-such-bucket-dtrain/src/sourcedir.tar.gz")}
+    (ml_root / "input" / "config" / "hyperparameters.json").write_text(json.dumps(hyperparameters))
+    result = run_entrypoint(ml_root, "train", python=stub_python)
+    assert result.returncode == 0, result.stderr
+    assert "downloading" not in result.stderr
+    assert (ml_root / "code" / "train.py").read_text() == "channel\n"
+
+
+def test_entrypoint_installs_the_codes_requirements_before_the_agent(ml_root, stub_python,
+                                                                   tmp_path):
+    tarball = make_tarball(tmp_path / "src.tar.gz", {"train.py": "", "requirements.txt": "x\n"})
+    result = run_entrypoint(ml_root, "train", python=stub_python,
+                            env={"DTRAIN_CODE_TARBALL": str(tarball)})
+    assert result.returncode == 0, result.stderr
+    pip_call = (ml_root / "agent-call.pip").read_text().split()
+    assert pip_call[:3] == ["-m", "pip", "install"]
+    assert pip_call[-2:] == ["-r", str(ml_root / "code" / "requirements.txt")]
+    assert agent_call(ml_root)[:2] == ["-m", "dtrain.runtime"]
 
 
 def test_entrypoint_copies_a_code_channel_of_plain_files(ml_root, stub_python):
