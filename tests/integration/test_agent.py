@@ -1,0 +1,182 @@
+"""The node agent: SageMaker-style scripts run unchanged; failures, max_run, stop and restarts.
+
+Each test writes a real contract and runs ``python -m dtrain.runtime`` as a real process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from dtrain import contract as c
+
+pytestmark = pytest.mark.slow
+
+SAGEMAKER_SCRIPT = """
+import argparse, json, os
+import torch.distributed as dist
+parser = argparse.ArgumentParser()
+parser.add_argument("--epochs", type=int, required=True)
+parser.add_argument("--model-dir", default=os.environ["SM_MODEL_DIR"])
+parser.add_argument("--train", default=os.environ["SM_CHANNEL_TRAIN"])
+args, _ = parser.parse_known_args()
+hps = json.loads(os.environ["SM_HPS"])
+assert hps == {"epochs": 2}, hps
+dist.init_process_group("gloo")
+with open(os.path.join(args.train, "data.txt")) as f:
+    words = f.read().split()
+rank = dist.get_rank()
+if rank == 0:
+    with open(os.path.join(args.model_dir, "model.json"), "w") as f:
+        json.dump({"epochs": args.epochs, "words": len(words), "world": dist.get_world_size(),
+                   "hosts": json.loads(os.environ["SM_HOSTS"])}, f)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def make_job(tmp_path, script: str, *, hosts=("algo-1",), hyperparameters=None,
+             channels=(), **settings):
+    code = tmp_path / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text(textwrap.dedent(script))
+    settings.setdefault("processes_per_host", 1)
+    roots = []
+    for host in hosts:
+        root = tmp_path / host
+        c.write_host_contract(str(root), current_host=host, hosts=list(hosts),
+                              settings=c.Settings(entry_point="train.py", source_dir=str(code),
+                                                  job_name="t", **settings),
+                              hyperparameters=hyperparameters or {}, channels=list(channels))
+        roots.append(root)
+    return roots
+
+
+def start_agent(root, *, port=None, grace=None):
+    env = dict(os.environ, DTRAIN_MASTER_ADDR="127.0.0.1")
+    if port:
+        env["DTRAIN_MASTER_PORT"] = str(port)
+    cmd = [sys.executable, "-m", "dtrain.runtime", "--root", str(root)]
+    if grace is not None:
+        cmd += ["--grace-period", str(grace)]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sagemaker_toolkit_script_runs_unchanged_on_two_hosts(tmp_path):
+    roots = make_job(tmp_path, SAGEMAKER_SCRIPT, hosts=("algo-1", "algo-2"),
+                     hyperparameters={"epochs": 2}, channels=["train"])
+    for root in roots:
+        (root / "input/data/train/data.txt").write_text("one two three")
+    port = free_port()
+    agents = [start_agent(root, port=port) for root in roots]
+    outputs = [a.communicate(timeout=90)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    model = json.loads((roots[0] / "model/model.json").read_text())
+    assert model == {"epochs": 2, "words": 3, "world": 2, "hosts": ["algo-1", "algo-2"]}
+    assert (roots[1] / "output/logs/rank-1.stdout.log").exists()
+
+
+def test_failing_worker_names_rank_and_error_and_leaves_no_process(tmp_path, live_processes):
+    script = """
+    import os, time
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("loss went nan at step 7")
+    time.sleep(60)
+    """
+    (root,) = make_job(tmp_path, script, processes_per_host=2)
+    started = time.monotonic()
+    agent = start_agent(root, grace=3)
+    out = agent.communicate(timeout=60)[0]
+    assert agent.returncode == 1, out
+    assert time.monotonic() - started < 30
+    failure = (root / "output/failure").read_text()
+    assert failure.startswith("rank 1 on algo-1 exited with code 1")
+    assert "RuntimeError: loss went nan at step 7" in failure
+    assert json.loads((root / "output/failure.json").read_text())["rank"] == 1
+    assert live_processes(str(tmp_path)) == []
+
+
+def test_worker_past_max_run_is_stopped_and_reported(tmp_path, live_processes):
+    (root,) = make_job(tmp_path, "import time\ntime.sleep(120)\n", max_run=3)
+    agent = start_agent(root, grace=2)
+    agent.communicate(timeout=60)
+    assert agent.returncode == 124
+    assert "max_run of 3 s reached" in (root / "output/failure").read_text()
+    assert live_processes(str(tmp_path)) == []
+
+
+def test_sigterm_stops_workers_within_the_grace_period(tmp_path, live_processes):
+    script = """
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker that ignores the polite stop
+    print("started", flush=True)
+    time.sleep(120)
+    """
+    (root,) = make_job(tmp_path, script, processes_per_host=2)
+    agent = start_agent(root, grace=2)
+    _wait_for(lambda: (root / "output/logs/rank-1.stdout.log").exists()
+              and "started" in (root / "output/logs/rank-1.stdout.log").read_text())
+    agent.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    agent.communicate(timeout=30)
+    assert agent.returncode == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 10
+    assert live_processes(str(tmp_path)) == []
+
+
+def test_killed_agent_takes_its_workers_with_it(tmp_path, live_processes):
+    (root,) = make_job(tmp_path, "print('up', flush=True)\nimport time\ntime.sleep(120)\n")
+    agent = start_agent(root)
+    _wait_for(lambda: live_processes(str(tmp_path / "code")) != [])
+    agent.kill()
+    agent.wait()
+    _wait_for(lambda: live_processes(str(tmp_path)) == [], timeout=5)
+
+
+def test_max_restarts_recovers_from_one_failure(tmp_path):
+    script = """
+    import os
+    marker = os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], "failed-once")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        raise SystemExit(3)
+    print("second attempt ok", flush=True)
+    """
+    (root,) = make_job(tmp_path, script, max_restarts=1)
+    agent = start_agent(root)
+    out = agent.communicate(timeout=60)[0]
+    assert agent.returncode == 0, out
+    assert "second attempt ok" in (root / "output/logs/rank-0.attempt-1.stdout.log").read_text()
+
+
+def test_recipe_entry_points_resolve_to_runtime_modules_or_fail_clearly(tmp_path):
+    from dtrain.runtime.agent import build_worker_command
+
+    (root,) = make_job(tmp_path, "")
+    c.write_host_contract(str(root), current_host="algo-1", hosts=["algo-1"],
+                          settings=c.Settings(entry_point="recipe:no_such_recipe"))
+    with pytest.raises(ValueError, match="no recipe module dtrain.runtime.recipes.no_such_recipe"):
+        build_worker_command(c.read_contract(str(root), num_gpus=0))
+
+
+def _wait_for(predicate, *, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.1)

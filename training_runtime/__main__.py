@@ -1,0 +1,30 @@
+"""``python -m dtrain.runtime [--root DIR]``: the node agent (one per host).
+
+The root defaults to ``$DTRAIN_ROOT`` or ``/opt/ml``, the SageMaker container layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtrain.runtime",
+                                     description="dtrain node agent: run this host's workers")
+    parser.add_argument("--root", default=None,
+                        help="contract root (default: $DTRAIN_ROOT or /opt/ml)")
+    parser.add_argument("--grace-period", type=int, default=None,
+                        help="seconds workers get after SIGTERM before SIGKILL (default 30)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=int(os.environ.get("SM_LOG_LEVEL", logging.INFO)),
+                        format="%(asctime)s dtrain-agent %(levelname)s %(message)s")
+    from dtrain.runtime import agent  # torch is imported only once arguments are valid
+
+    return agent.run(args.root, grace_period_s=args.grace_period)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
