@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 from dtrain.errors import DtrainError
 from dtrain.launcher import aws, packaging
 from dtrain.launcher import sagemaker_request as req
-from dtrain.launcher.cloudwatch import LogFilter, LogReader
+from dtrain.launcher.cloudwatch import SAGEMAKER_LOG_GROUP, LogFilter, LogReader
 
 if TYPE_CHECKING:
     from dtrain.planner import Plan
@@ -69,6 +69,13 @@ def entry_script_text() -> str:
     return resources.files("dtrain.launcher").joinpath(req.ENTRY_SCRIPT).read_text()
 
 
+def job_name_of(job: Any) -> str:
+    """The training job name of a store record (H3's JobRecord) or of a plain name."""
+    if isinstance(job, str):
+        return job
+    return (getattr(job, "target_data", None) or {}).get("training_job_name") or job.name
+
+
 class SageMakerLauncher:
     """``build_request`` / ``submit`` / ``status`` / ``wait`` / ``logs`` / ``stop``."""
 
@@ -111,33 +118,41 @@ class SageMakerLauncher:
     # ---------------------------------------------------------------- submit
 
     def submit(self, request: dict[str, Any], *, store: Any = None,
-               plan: Plan | None = None) -> dict[str, Any]:
+               plan: Plan | None = None) -> Any:
         """Upload code and runtime, create the job; on failure remove what was uploaded.
 
-        Returns the job's facts (name, ARN, uploads, console URL) and records them in ``store``
-        when one is given.
+        The job is in ``store`` (default: the user's job store) from the first upload on, so a
+        failed submission is recorded with its reason too. Returns the store's JobRecord.
         """
+        from dtrain.store import FAILED, STARTING, JobStore
+
         name = request["TrainingJobName"]
         plan = plan or self._plans.get(name)
         if plan is None:
             raise DtrainError(f"job {name!r}: no plan for this request; build it with "
                               "build_request(plan) on this launcher or pass plan=")
         self._check_bucket(plan.spec.output_path)
+        store = store if store is not None else JobStore()
+        record = store.create(name=name, target=self.name, spec=plan.spec.to_dict(),
+                              log_location=f"cloudwatch:{SAGEMAKER_LOG_GROUP}/{name}/",
+                              output_location=req.model_data_uri(plan, name),
+                              target_data={"training_job_name": name,
+                                           "region": self.region_of(plan),
+                                           "console_url": self.console_url(name, plan)})
         uploaded: list[str] = []
         try:
             self._upload_code(plan, name, uploaded)
             response = self.client("sagemaker").create_training_job(**request)
         except BaseException as exc:
             packaging.delete_objects(self.client("s3"), uploaded)
-            if isinstance(exc, DtrainError) or not hasattr(exc, "response"):
+            error = exc if isinstance(exc, DtrainError) or not hasattr(exc, "response") \
+                else aws.as_dtrain_error(exc, f"CreateTrainingJob {name}")
+            store.update(record.id, status=FAILED, failure_reason=str(error) or repr(exc))
+            if error is exc:
                 raise
-            raise aws.as_dtrain_error(exc, f"CreateTrainingJob {name}") from None
-        facts = {"job_name": name, "target": self.name, "arn": response["TrainingJobArn"],
-                 "region": self.region_of(plan), "uploads": uploaded,
-                 "output_path": plan.spec.output_path, "console_url": self.console_url(name, plan)}
-        if store is not None:
-            _record(store, plan, request, facts)
-        return facts
+            raise error from None
+        return store.update(record.id, status=STARTING, target_data={
+            "arn": response["TrainingJobArn"], "uploads": uploaded})
 
     def region_of(self, plan: Plan) -> str | None:
         return aws.resolve_region(plan.spec.sagemaker.region or self.region) or getattr(
@@ -147,6 +162,24 @@ class SageMakerLauncher:
         region = self.region_of(plan) or "us-east-1"
         return (f"https://{region}.console.aws.amazon.com/sagemaker/home?region={region}"
                 f"#/jobs/{name}")
+
+    def default_output_path(self) -> str:
+        """``s3://sagemaker-<region>-<account>/``, created if missing, as the SageMaker SDK does."""
+        sts = self.client("sts")
+        try:
+            account = sts.get_caller_identity()["Account"]
+        except Exception as exc:
+            raise aws.as_dtrain_error(exc, "GetCallerIdentity") from None
+        region = aws.resolve_region(self.region) or sts.meta.region_name
+        bucket = f"sagemaker-{region}-{account}"
+        s3 = self.client("s3")
+        try:
+            s3.head_bucket(Bucket=bucket)
+        except Exception:
+            config = {} if region == "us-east-1" else {
+                "CreateBucketConfiguration": {"LocationConstraint": region}}
+            s3.create_bucket(Bucket=bucket, **config)
+        return f"s3://{bucket}"
 
     def _check_bucket(self, output_path: str) -> None:
         bucket, _ = packaging.parse_s3_uri(output_path)
@@ -183,7 +216,8 @@ class SageMakerLauncher:
 
     # ---------------------------------------------------------------- lifecycle
 
-    def describe(self, job_name: str) -> dict[str, Any]:
+    def describe(self, job: Any) -> dict[str, Any]:
+        job_name = job_name_of(job)
         try:
             return self.client("sagemaker").describe_training_job(TrainingJobName=job_name)
         except Exception as exc:
@@ -191,8 +225,9 @@ class SageMakerLauncher:
                 raise
             raise aws.as_dtrain_error(exc, f"DescribeTrainingJob {job_name}") from None
 
-    def status(self, job_name: str) -> dict[str, Any]:
+    def status(self, job: Any) -> dict[str, Any]:
         """State, secondary status, FailureReason (verbatim) and model artifacts of a job."""
+        job_name = job_name_of(job)
         described = self.describe(job_name)
         return {
             "job_name": job_name,
@@ -207,9 +242,10 @@ class SageMakerLauncher:
             "billable_seconds": described.get("BillableTimeInSeconds"),
         }
 
-    def wait(self, job_name: str, *, poll_s: float = DEFAULT_POLL_S,
+    def wait(self, job: Any, *, poll_s: float = DEFAULT_POLL_S,
              on_transition: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Poll until the job ends, reporting each new ``SecondaryStatus`` transition."""
+        job_name = job_name_of(job)
         shown = 0
         report = on_transition or (lambda line: self.out.write(line + "\n"))
         while True:
@@ -224,15 +260,17 @@ class SageMakerLauncher:
                 return status
             self.sleep(poll_s)
 
-    def logs(self, job_name: str, *, follow: bool = False, host: str | None = None,
+    def logs(self, job: Any, *, follow: bool = False, host: str | None = None,
              rank: int | None = None, poll_s: float = 5.0) -> Iterator[str]:
         """Lines from every host's CloudWatch stream (``host: message``), optionally followed."""
+        job_name = job_name_of(job)
         reader = LogReader(self.client("logs"), job_name, filter=LogFilter(host, rank),
                            poll_s=poll_s, sleep=self.sleep)
         yield from reader.lines(
             follow=follow, done=lambda: self.status(job_name)["state"] in TERMINAL_STATES)
 
-    def stop(self, job_name: str) -> None:
+    def stop(self, job: Any) -> None:
+        job_name = job_name_of(job)
         try:
             self.client("sagemaker").stop_training_job(TrainingJobName=job_name)
         except Exception as exc:
@@ -240,8 +278,3 @@ class SageMakerLauncher:
                 raise
             raise aws.as_dtrain_error(exc, f"StopTrainingJob {job_name}") from None
 
-
-def _record(store: Any, plan: Plan, request: dict[str, Any], facts: dict[str, Any]) -> None:
-    """Write the job to the store (H3's ``dtrain.store``)."""
-    store.add(job_name=facts["job_name"], target="sagemaker", spec=plan.spec.to_dict(),
-              request=request, details=facts)

@@ -59,6 +59,11 @@ def wheel_name() -> str:
     return f"dtrain-{__version__}-py3-none-any.whl"
 
 
+def model_data_uri(plan: Plan, job_name: str) -> str:
+    """Where SageMaker puts ``model.tar.gz`` of a completed job."""
+    return join_s3(plan.spec.output_path, job_name, "output", "model.tar.gz")
+
+
 def checkpoint_s3_uri(plan: Plan, job_name: str) -> str:
     """The spec's checkpoint URI, else ``{output_path}/{job}/checkpoints`` (spot resumes need S3)."""
     return plan.spec.checkpoint.uri or join_s3(plan.spec.output_path, job_name, "checkpoints")

@@ -19,6 +19,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from dtrain.errors import DtrainError
+from dtrain.store import JobStore
 from dtrain.launcher.sagemaker import SageMakerLauncher
 from dtrain.planner import plan
 from dtrain.spec import JobSpec
@@ -70,8 +71,8 @@ def submitted(moto_aws, tmp_path):  # noqa: F811
     # s3 and logs clients come from AWS_ENDPOINT_URL, as in the CLI
     launcher = SageMakerLauncher(sagemaker_client=client, stream=err)
     request = launcher.build_request(plan(spec))
-    facts = launcher.submit(request)
-    facts["sent"] = sent[0]
+    record = launcher.submit(request, store=JobStore())
+    facts = {"job_name": record.name, "record": record, "sent": sent[0]}
     return moto_aws, launcher, facts, err.getvalue()
 
 
@@ -87,6 +88,15 @@ def test_submit_uploads_code_without_secrets_and_creates_the_job(submitted):
         assert sorted(tar.getnames()) == [".dtrainignore", "pkg/util.py", "train.py"]
     for secret in (".env", "id_rsa", "deploy.pem", ".aws/", "credentials"):
         assert f"not packing {secret}" in err
+
+
+def test_submitted_job_is_in_the_store_with_arn_and_uploads(submitted):
+    _, _, facts, _ = submitted
+    record = JobStore().find(facts["job_name"])
+    assert record.target == "sagemaker" and record.status == "Starting"
+    assert record.target_data["arn"].endswith(f"training-job/{facts['job_name']}")
+    assert len(record.target_data["uploads"]) == 3
+    assert record.output_location.endswith(f"/{facts['job_name']}/output/model.tar.gz")
 
 
 def test_created_job_carries_instances_spot_checkpoint_hyperparameters_and_metrics(submitted):
@@ -154,7 +164,7 @@ def test_missing_bucket_fails_before_any_upload(moto_aws, tmp_path):  # noqa: F8
     launcher = SageMakerLauncher(stream=io.StringIO())
     request = launcher.build_request(plan(spec_for(make_source(tmp_path / "src"))))
     with pytest.raises(DtrainError, match=f"bucket '{BUCKET}' does not exist; create it"):
-        launcher.submit(request)
+        launcher.submit(request, store=JobStore())
     assert moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"] == []
 
 
@@ -171,10 +181,12 @@ def test_rejected_job_is_one_line_and_leaves_no_upload_behind(moto_aws, tmp_path
     launcher = SageMakerLauncher(sagemaker_client=client, stream=io.StringIO())
     request = launcher.build_request(plan(spec_for(make_source(tmp_path / "src"))))
     with pytest.raises(DtrainError) as info:
-        launcher.submit(request)
+        launcher.submit(request, store=JobStore())
     assert f"{code}: ml.p4d.24xlarge: limit is 0" in str(info.value)
     assert "\n" not in str(info.value)
     assert objects(moto_aws.s3) == []
+    failed = JobStore().find(request["TrainingJobName"])
+    assert failed.status == "Failed" and code in failed.failure_reason
 
 
 def test_runtime_wheel_installs_and_imports_the_contract(tmp_path):
