@@ -1,0 +1,95 @@
+"""Metrics: the FLOP formula the planner uses, MFU against the catalog, the metric line sinks;
+and the optimizer pieces they report on (schedule, clipping, loss scaler)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+import torch
+from dtrain import costmodel, instances
+from dtrain.metrics_format import parse_metrics
+from dtrain.runtime import metrics as m
+from dtrain.runtime.optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
+from dtrain.runtime.schedule import WarmupCosine
+from torch import nn
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_flops_per_token_matches_the_planners_cost_model(checkpointing):
+    work = costmodel.Workload(num_parameters=70_000_000, num_layers=6, hidden_size=512,
+                              seq_len=2048, micro_batch_size=1,
+                              activation_checkpointing=checkpointing)
+    one_tflop = costmodel.Cluster(1, 1, tflops_per_gpu=1.0, intra_gbytes_per_s=1,
+                                  inter_gbits_per_s=1, efficiency=1.0)
+    planner_flops = costmodel.compute_seconds(work, one_tflop) * 1e12 / work.seq_len
+    ours = m.flops_per_token(num_parameters=70_000_000, num_layers=6, hidden_size=512,
+                             seq_len=2048, activation_checkpointing=checkpointing)
+    assert ours == pytest.approx(planner_flops, rel=1e-12)
+
+
+def test_mfu_uses_the_instance_catalog_peak_or_the_nominal_cpu_figure():
+    assert m.peak_tflops("ml.p4d.24xlarge", device=torch.device("cpu")) == (312, False)
+    assert m.peak_tflops("local", device=torch.device("cpu")) == (instances.LOCAL_CPU_TFLOPS, True)
+    out = m.throughput_metrics(tokens=1000, seconds=2.0, flops_per_token=1e9, world_size=4,
+                               peak_tflops=0.1)
+    assert out["tokens_per_s"] == 500
+    assert out["tflops_per_gpu"] == pytest.approx(500 * 1e9 / 4 / 1e12)
+    assert out["mfu"] == pytest.approx(out["tflops_per_gpu"] / 0.1)
+
+
+def test_logger_writes_parseable_lines_and_jsonl(tmp_path):
+    stream = io.StringIO()
+    logger = m.MetricsLogger(output_dir=tmp_path, stream=stream)
+    logger.log(12, {"loss": 2.5, "tokens_per_s": 1234.5, "mfu": 0.25})
+    logger.close()
+    parsed = parse_metrics(stream.getvalue().strip())
+    assert parsed == {"step": 12, "loss": 2.5, "tokens_per_s": 1234.5, "mfu": 0.25}
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record == {"step": 12, "loss": 2.5, "tokens_per_s": 1234.5, "mfu": 0.25}
+
+
+def test_only_the_main_rank_writes(tmp_path):
+    stream = io.StringIO()
+    m.MetricsLogger(output_dir=tmp_path, enabled=False, stream=stream).log(1, {"loss": 1.0})
+    assert stream.getvalue() == "" and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_comm_metrics_are_per_step():
+    snap = {"total": {"calls": 8, "intra_bytes": 400.0, "inter_bytes": 100.0}}
+    assert m.comm_metrics(snap, steps=4) == {"comm_intra_bytes_per_step": 100.0,
+                                             "comm_inter_bytes_per_step": 25.0,
+                                             "comm_calls_per_step": 2.0}
+
+
+def test_warmup_then_cosine_to_the_floor():
+    s = WarmupCosine(1.0, 110, warmup_steps=10, min_lr_ratio=0.1)
+    assert s.lr_at(0) == pytest.approx(0.1) and s.lr_at(9) == pytest.approx(1.0)
+    assert s.lr_at(60) == pytest.approx(0.55)
+    assert s.lr_at(110) == pytest.approx(0.1) and s.lr_at(500) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        WarmupCosine(1.0, 5, warmup_steps=6)
+
+
+def test_adamw_does_not_decay_biases_and_norms():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    groups = build_optimizer(model, lr=1e-3, weight_decay=0.1).param_groups
+    assert [len(g["params"]) for g in groups] == [1, 3]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+
+
+def test_clipping_unscales_and_caps_the_norm():
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([30.0, 40.0]) * 8  # true norm 50, loss scale 8
+    norm, scaled = clip_and_unscale_([p], max_norm=5.0, loss_scale=8.0)
+    assert norm == pytest.approx(50.0) and scaled == pytest.approx(400.0)
+    assert torch.linalg.vector_norm(p.grad).item() == pytest.approx(5.0, rel=1e-5)
+
+
+def test_loss_scaler_skips_overflowing_steps_and_grows_back():
+    scaler = DynamicLossScaler(init_scale=8.0, growth_interval=2)
+    assert scaler.update(math.inf) is False and scaler.scale == 4.0
+    assert scaler.update(1.0) and scaler.update(1.0) and scaler.scale == 8.0
+    assert DynamicLossScaler(enabled=False).scale == 1.0

@@ -1,0 +1,231 @@
+"""Sharded, atomic training checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Layout under the contract's checkpoint folder (``DTRAIN_CHECKPOINT_DIR``)::
+
+    step-000120/            a complete checkpoint
+        .metadata, __0_0.distcp, ...   model + optimizer, each rank writing its own shards
+        trainer.json        step, data position, loss scale (the same on every rank)
+        rng/rank-00003.pt   that rank's torch / numpy / python RNG states
+        COMPLETE            written last
+    step-000130.tmp/        being written (or abandoned by a crash): never loaded
+
+A checkpoint is written to ``step-N.tmp``, every rank finishes (barrier), then ``COMPLETE`` is
+written and the folder renamed to ``step-N`` — a rename is atomic, so a reader sees a whole
+checkpoint or none. Only folders named ``step-N`` that hold ``COMPLETE`` are loaded.
+
+The folder should be shared by all hosts (the local target, a shared file system). Where each
+host has its own folder that a sync merges later (SageMaker's and dtrain's EC2 checkpoint upload
+to one S3 prefix), every host's first worker writes the metadata, ``COMPLETE`` and renames too,
+so the merged copy is complete; resuming then needs the merged copy on every host, which is what
+those targets restore before the job starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+COMPLETE = "COMPLETE"
+TRAINER_STATE = "trainer.json"
+METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and (child / COMPLETE).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    """Save and restore model, optimizer, trainer state and RNG for all ranks (collective calls)."""
+
+    def __init__(self, root: str | Path, *, keep_last: int = 2) -> None:
+        if keep_last < 1:
+            raise ValueError(f"checkpoint keep_last must be >= 1, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.rank = dist.get_rank()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.shared = self._probe_shared()
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        # One writer per folder: global rank 0, or each host's first worker when not shared.
+        self.is_writer = self.rank == 0 or (not self.shared and local_rank == 0)
+
+    def _probe_shared(self) -> bool:
+        """Whether every rank sees rank 0's files in ``root`` (one collective, at start)."""
+        name = [f".probe-{uuid.uuid4().hex}" if self.rank == 0 else ""]
+        dist.broadcast_object_list(name, src=0)
+        probe = self.root / name[0]
+        if self.rank == 0:
+            probe.touch()
+        dist.barrier()
+        seen = torch.tensor([1 if probe.exists() else 0])
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+        dist.barrier()
+        if self.rank == 0:
+            probe.unlink(missing_ok=True)
+        return bool(seen.item())
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any]) -> Path:
+        """Write ``step-N`` atomically (module docstring); every rank must call it."""
+        final = self.root / step_dir_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt that was killed
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        tmp.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank-{self.rank:05d}.pt")
+        metadata = self._share_metadata(tmp)
+        if self.is_writer:
+            if metadata is not None:
+                (tmp / METADATA).write_bytes(metadata)
+            (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, **trainer_state}))
+            _write_synced(tmp / COMPLETE, json.dumps({"step": step,
+                                                      "world_size": dist.get_world_size()}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        dist.barrier()
+        return final
+
+    def _share_metadata(self, tmp: Path) -> bytes | None:
+        """Rank 0's DCP metadata for hosts that cannot see rank 0's folder; barrier included."""
+        dist.barrier()  # every rank's shards and RNG file are written
+        if self.shared:
+            return None
+        payload = [(tmp / METADATA).read_bytes() if self.rank == 0 else None]
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0] if self.rank != 0 else None
+
+    def _prune(self) -> None:
+        found = complete_checkpoints(self.root)
+        for _, folder in found[:-self.keep_last]:
+            shutil.rmtree(folder, ignore_errors=True)
+        newest = found[-1][0] if found else -1
+        for stale in self.root.glob("step-*.tmp"):  # abandoned by a crash before the newest
+            match = re.match(r"^step-(\d+)\.tmp$", stale.name)
+            if match and int(match.group(1)) < newest:
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint as rank 0 sees it (all ranks agree)."""
+        choice = [str(latest_checkpoint(self.root) or "") if self.rank == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        if not choice[0]:
+            return None
+        path = self.root / Path(choice[0]).name
+        if not (path / COMPLETE).is_file():
+            raise ValueError(
+                f"rank {self.rank} cannot see checkpoint {path} that rank 0 resumes from; give "
+                "every host the same checkpoint folder (a shared file system or a restored copy)"
+            )
+        return path
+
+    def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
+             ) -> dict[str, Any]:
+        """Restore ``path`` into ``model``/``optimizer`` and this rank's RNG; returns trainer state."""
+        path = Path(path)
+        if not (path / COMPLETE).is_file():
+            raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker); "
+                             "pass a step-N folder written by CheckpointManager.save")
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
+        if rng_file.is_file():  # absent when resuming on a different world size
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        return json.loads((path / TRAINER_STATE).read_text())
+
+
+def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
+    """Gather the full weights and write a Hugging Face folder from rank 0 (collective)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(model, options=options)  # empty on ranks other than 0
+    folder = Path(folder)
+    if dist.get_rank() == 0:
+        from dtrain.runtime.models import build_model
+        from dtrain.runtime.models.hf_io import save_pretrained
+
+        plain = build_model(model.hf_config_dict(), device="meta")
+        plain.to_empty(device="cpu")
+        plain.tie_weights()
+        missing, unexpected = plain.load_state_dict(full, strict=False)
+        tied = set(getattr(plain, "_tied_weights_keys", {}))
+        assert not unexpected and set(missing) <= tied, (missing, unexpected)
+        save_pretrained(plain, folder)
+    dist.barrier()
+    return folder
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,98 @@
+"""AdamW with the usual decay split, sharding-aware gradient clipping and a loss scaler for fp16.
+
+Gradients of a sharded model are DTensors: each rank holds a shard, so a local norm would be
+wrong. ``torch.nn.utils.get_total_norm`` on DTensors returns a DTensor whose ``full_tensor()``
+reduces across the mesh (the sum of squares over shards; replicas are not double counted), which
+is the norm a single process would compute on the whole model. torchtitan clips the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def build_optimizer(
+    model: nn.Module, *, lr: float, weight_decay: float = 0.1,
+    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+) -> torch.optim.AdamW:
+    """AdamW; biases, norms and other 1-D parameters get no weight decay (GPT-3's recipe)."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # foreach, not fused: fused AdamW is CUDA-only for DTensors; foreach works everywhere.
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+
+
+def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients, across shards; a plain 0-d tensor."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else norm
+
+
+def scale_grads_(parameters: Iterable[nn.Parameter], factor: float) -> None:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if grads and factor != 1.0:
+        torch._foreach_mul_(grads, factor)
+
+
+class DynamicLossScaler:
+    """fp16 loss scaling: multiply the loss by ``scale``; halve it when gradients overflow.
+
+    Works on the global gradient norm (already reduced across ranks for clipping), so every rank
+    sees the same overflow verdict and skips the same steps: no extra collective, and it works
+    for FSDP2 where ``torch.amp.GradScaler``'s per-rank inf check would let ranks disagree.
+    """
+
+    def __init__(self, *, init_scale: float = 2.0**16, growth_interval: int = 1000,
+                 enabled: bool = True) -> None:
+        self.scale = init_scale if enabled else 1.0
+        self.enabled = enabled
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def update(self, grad_norm: float) -> bool:
+        """Record a step's (scaled) gradient norm; False means skip this optimizer step."""
+        if not self.enabled:
+            return math.isfinite(grad_norm)
+        if not math.isfinite(grad_norm):
+            self.scale = max(self.scale / 2, 1.0)
+            self.good_steps = 0
+            return False
+        self.good_steps += 1
+        if self.good_steps >= self.growth_interval:
+            self.scale *= 2
+            self.good_steps = 0
+        return True
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+
+
+def clip_and_unscale_(
+    parameters: list[nn.Parameter], *, max_norm: float, loss_scale: float = 1.0
+) -> tuple[float, float]:
+    """Unscale and clip gradients in one multiply; returns (true norm, scaled norm).
+
+    The scaled norm is what the loss scaler judges (inf/nan means overflow).
+    """
+    scaled = float(total_grad_norm(parameters))
+    norm = scaled / loss_scale
+    if not math.isfinite(scaled):
+        return norm, scaled
+    clip = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+    scale_grads_(parameters, clip / loss_scale)
+    return norm, scaled

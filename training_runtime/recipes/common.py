@@ -1,0 +1,169 @@
+"""What the built-in recipes share: hyperparameters, data and model resolution, the run itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dtrain import contract
+from dtrain.presets import count_parameters, get_preset
+from torch import nn
+
+from .. import metrics
+from ..data import TOKENS_FILE, DistributedTokenLoader, TokenDataset
+from ..tokenize import encode_bytes, read_texts
+from ..trainer import PREEMPTED_EXIT_CODE, Trainer, TrainerConfig
+
+CHECKPOINT_INTERVAL_ENV = "DTRAIN_CHECKPOINT_INTERVAL_STEPS"
+# Models up to this size are initialised whole on the CPU before sharding, so the weights do
+# not depend on the world size (same seed, same model); bigger ones are built on the meta device.
+CPU_INIT_MAX_PARAMETERS = 1_000_000_000
+
+
+def parse_bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    lowered = str(value).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def build_parser(prog: str, description: str, *, model: str, lr: float) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--model", default=model, help="preset name (dtrain.presets) or HF folder")
+    p.add_argument("--data", default="train",
+                   help="channel name, a token channel folder, a .bin file or a text file")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
+    p.add_argument("--micro_batch_size", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--min_lr_ratio", type=float, default=0.1)
+    p.add_argument("--warmup_steps", type=int, default=10)
+    p.add_argument("--weight_decay", type=float, default=0.1)
+    p.add_argument("--max_grad_norm", type=float, default=1.0)
+    p.add_argument("--log_interval", type=int, default=10)
+    p.add_argument("--checkpoint_interval", type=int, default=None,
+                   help=f"steps between checkpoints (default: ${CHECKPOINT_INTERVAL_ENV}, the "
+                   "job's checkpoint.interval_steps, else 0 = only on SIGTERM)")
+    p.add_argument("--keep_last", type=int, default=None, help="complete checkpoints kept")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention", choices=("flash", "sdpa", "eager"), default=None)
+    p.add_argument("--activation_checkpointing", type=parse_bool, default=None)
+    return p
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    # SageMaker passes every hyperparameter as --key value; ignore (and name) the ones we lack.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        warnings.warn(f"{parser.prog}: ignoring unknown arguments {unknown}", stacklevel=2)
+    return args
+
+
+def reserved_hyperparameters() -> dict[str, Any]:
+    """The job's ``dtrain_*`` settings from the contract's hyperparameters.json, if any."""
+    root = os.environ.get(contract.ROOT_ENV)
+    if not root:
+        return {}
+    path = Path(contract.Paths(root).hyperparameters_file)
+    if not path.is_file():
+        return {}
+    raw = contract.decode_hyperparameters(json.loads(path.read_text()))
+    return {k[len(contract.RESERVED_PREFIX):]: v for k, v in raw.items()
+            if k.startswith(contract.RESERVED_PREFIX)}
+
+
+def checkpoint_settings(args: argparse.Namespace) -> tuple[int, int]:
+    """(interval, keep_last): the argument, else the environment, else the job spec, else off."""
+    reserved = reserved_hyperparameters()
+    interval = args.checkpoint_interval
+    if interval is None:
+        interval = os.environ.get(CHECKPOINT_INTERVAL_ENV) or reserved.get(
+            "checkpoint_interval_steps") or 0
+    keep = args.keep_last or reserved.get("checkpoint_keep_last") or 2
+    return int(interval), int(keep)
+
+
+def load_dataset(data: str, ctx: Any) -> TokenDataset:
+    """A token channel, or text tokenized byte-level in memory (every rank does the same)."""
+    path = Path(data)
+    if not path.exists():
+        path = ctx.channel(data)
+    if path.is_file():
+        if path.suffix == ".bin":
+            return TokenDataset.open(path)
+        return encode_bytes(read_texts([path]))
+    if (path / TOKENS_FILE).is_file():
+        return TokenDataset.open(path)
+    texts = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
+    if not texts:
+        raise ValueError(f"data {data!r} ({path}) has no {TOKENS_FILE} and no .txt files; "
+                         "tokenize it with `python -m dtrain.runtime.tokenize`")
+    return encode_bytes(read_texts(texts))
+
+
+def build_model(name_or_path: str, *, attention: str | None, seed: int) -> nn.Module:
+    """A preset (fresh weights from ``seed``) or a Hugging Face folder (its weights)."""
+    from dtrain.runtime.models import from_preset
+    from dtrain.runtime.models.hf_io import load_pretrained
+
+    torch.manual_seed(seed)  # same weights on every rank and for every world size
+    kwargs = {"attention": attention} if attention else {}
+    if Path(name_or_path, "config.json").is_file():
+        return load_pretrained(name_or_path, dtype=torch.float32, **kwargs).train()
+    big = count_parameters(get_preset(name_or_path)) > CPU_INIT_MAX_PARAMETERS
+    return from_preset(name_or_path, device="meta" if big else "cpu", **kwargs)
+
+
+def check_vocab(model: nn.Module, dataset: TokenDataset) -> int:
+    vocab = int(model.hf_config_dict()["vocab_size"])
+    if dataset.vocab_size > vocab:
+        raise ValueError(f"the data's tokenizer has {dataset.vocab_size} ids but the model's "
+                         f"vocab_size is {vocab}; pick a model with a larger vocabulary")
+    return vocab
+
+
+def run_recipe(args: argparse.Namespace, *, loss_fn: Callable[..., Any], window: int) -> int:
+    """Init, load data and model, shard, train, save; returns the process exit code."""
+    import dtrain.runtime as rt
+
+    ctx = rt.init()
+    try:
+        dataset = load_dataset(args.data, ctx)
+        model = build_model(args.model, attention=args.attention, seed=args.seed)
+        check_vocab(model, dataset)
+        checkpointing = (ctx.config.activation_checkpointing
+                         if args.activation_checkpointing is None
+                         else args.activation_checkpointing)
+        model = rt.shard(model, ctx, activation_checkpointing=checkpointing)
+        loader = DistributedTokenLoader(
+            dataset, window=window, micro_batch_size=args.micro_batch_size,
+            dp_rank=ctx.rank, dp_world_size=ctx.world_size, seed=args.seed)
+        interval, keep_last = checkpoint_settings(args)
+        config = TrainerConfig(
+            steps=args.steps, lr=args.lr, warmup_steps=min(args.warmup_steps, args.steps),
+            min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
+            max_grad_norm=args.max_grad_norm, log_interval=args.log_interval,
+            checkpoint_interval=interval, keep_last=keep_last)
+        flops = metrics.model_flops_per_token(model, seq_len=args.seq_len,
+                                              activation_checkpointing=checkpointing)
+        trainer = Trainer(model, ctx, loss_fn, config=config, flops_per_token=flops)
+        result = trainer.fit(loader)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return PREEMPTED_EXIT_CODE if result.preempted else 0
