@@ -1,0 +1,229 @@
+"""EC2 I/O for the ec2 backend: lookups, finding a job's resources by tag, teardown, leftovers.
+
+Every function takes its boto3 client(s) as arguments. Teardown is ordered the way EC2 needs it:
+terminate instances, wait until they are gone (a security group stays "in use" while their
+network interfaces exist), then delete the security group and the placement group.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dtrain.errors import DtrainError
+from dtrain.launcher import aws
+from dtrain.launcher import ec2_requests as req
+
+LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
+DELETE_ATTEMPTS = 20
+DELETE_RETRY_S = 15.0
+
+
+@dataclass
+class Created:
+    """What one submission created so far: exactly what a rollback removes."""
+
+    job: str
+    instances: list[str] = field(default_factory=list)
+    security_groups: list[str] = field(default_factory=list)
+    placement_groups: list[str] = field(default_factory=list)
+    uploads: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- lookups
+
+def resolve_ami(ssm: Any, lookup: dict[str, str]) -> str:
+    if "value" in lookup:
+        return lookup["value"]
+    name = lookup["ssm_parameter"]
+    try:
+        return ssm.get_parameter(Name=name)["Parameter"]["Value"]
+    except Exception as exc:
+        if aws.error_code(exc) is None:
+            raise
+        raise DtrainError(f"ec2.ami: auto: cannot read the Deep Learning AMI id from SSM "
+                          f"parameter {name} ({aws.error_code(exc)}); set ec2.ami to an AMI id"
+                          ) from None
+
+
+def resolve_root_device(ec2: Any, lookup: dict[str, str], ami_id: str) -> str:
+    if "value" in lookup:
+        return lookup["value"]
+    images = ec2.describe_images(ImageIds=[ami_id]).get("Images", [])
+    if not images:
+        raise DtrainError(f"ec2.ami: {ami_id!r} not found in this region; give an AMI id from "
+                          "the job's region or use ami: auto")
+    return images[0].get("RootDeviceName") or req.DLAMI_ROOT_DEVICE
+
+
+def resolve_subnet(ec2: Any, lookup: dict[str, str]) -> tuple[str, str]:
+    """(subnet id, its VPC id): the given subnet, else the default VPC's first default subnet."""
+    if "value" in lookup:
+        subnets = ec2.describe_subnets(SubnetIds=[lookup["value"]])["Subnets"]
+    else:
+        subnets = ec2.describe_subnets(
+            Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+        subnets.sort(key=lambda s: s["AvailabilityZone"])
+    if not subnets:
+        raise DtrainError("ec2.subnet_id: not set and this region has no default subnet; give "
+                          "a subnet id (one AZ, with a route to S3)")
+    return subnets[0]["SubnetId"], subnets[0]["VpcId"]
+
+
+# ---------------------------------------------------------------- a job's resources by tag
+
+def tag_map(resource: dict[str, Any]) -> dict[str, str]:
+    return {t["Key"]: t["Value"] for t in resource.get("Tags", [])}
+
+
+def _tag_filters(job: str | None) -> list[dict[str, Any]]:
+    filters = [{"Name": f"tag:{req.TAG_CREATED_BY}", "Values": [req.CREATED_BY]}]
+    if job is not None:
+        filters.append({"Name": f"tag:{req.TAG_JOB}", "Values": [job]})
+    return filters
+
+
+def job_instances(ec2: Any, job: str | None) -> list[dict[str, Any]]:
+    """dtrain's instances (of one job, or all), in node-rank order."""
+    found = []
+    for page in ec2.get_paginator("describe_instances").paginate(Filters=_tag_filters(job)):
+        for reservation in page["Reservations"]:
+            found += reservation["Instances"]
+    return sorted(found, key=lambda i: int(tag_map(i).get(req.TAG_NODE_RANK, 0)))
+
+
+def job_security_groups(ec2: Any, job: str | None) -> list[dict[str, Any]]:
+    return ec2.describe_security_groups(Filters=_tag_filters(job))["SecurityGroups"]
+
+
+def job_placement_groups(ec2: Any, job: str | None) -> list[dict[str, Any]]:
+    return ec2.describe_placement_groups(Filters=_tag_filters(job))["PlacementGroups"]
+
+
+# ---------------------------------------------------------------- teardown
+
+def rollback(ec2: Any, s3: Any, created: Created, *, sleep: Callable[[float], None],
+             keep_uploads: bool = False) -> list[str]:
+    """Remove everything in ``created``; returns what could not be removed (for the message)."""
+    left: list[str] = []
+    if created.instances:
+        try:
+            ec2.terminate_instances(InstanceIds=created.instances)
+            ec2.get_waiter("instance_terminated").wait(
+                InstanceIds=created.instances, WaiterConfig={"Delay": 15, "MaxAttempts": 40})
+        except Exception:  # noqa: BLE001 - reported below, the rest still gets a try
+            left += created.instances
+    for group_id in created.security_groups:
+        if not _delete_with_retry(lambda g=group_id: ec2.delete_security_group(GroupId=g), sleep):
+            left.append(group_id)
+    for name in created.placement_groups:
+        if not _delete_with_retry(lambda n=name: ec2.delete_placement_group(GroupName=n), sleep):
+            left.append(name)
+    if s3 is not None and not keep_uploads:
+        from dtrain.launcher import packaging
+
+        packaging.delete_objects(s3, created.uploads)
+    return left
+
+
+def _delete_with_retry(delete: Callable[[], Any], sleep: Callable[[float], None]) -> bool:
+    """Network interfaces of terminated nodes linger a little: DependencyViolation is retried."""
+    for attempt in range(DELETE_ATTEMPTS):
+        try:
+            delete()
+            return True
+        except Exception as exc:  # noqa: BLE001
+            code = aws.error_code(exc)
+            if code in ("InvalidGroup.NotFound", "InvalidPlacementGroup.Unknown"):
+                return True
+            if code not in ("DependencyViolation", "InvalidPlacementGroup.InUse") \
+                    or attempt == DELETE_ATTEMPTS - 1:
+                return False
+            sleep(DELETE_RETRY_S)
+    return False
+
+
+# ---------------------------------------------------------------- status and logs
+
+def read_status_objects(s3: Any, prefix: str) -> list[dict[str, Any]]:
+    """Each node's ``{prefix}/status/<host>.json``, in rank order."""
+    from dtrain.launcher.ec2_bootstrap import list_keys, split_s3
+
+    bucket, _ = split_s3(prefix)
+    nodes = []
+    for key in list_keys(s3, f"{prefix}/status/"):
+        if key.endswith(".json"):
+            nodes.append(json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read()))
+    return sorted(nodes, key=lambda n: n.get("rank", 0))
+
+
+def job_state(instances: dict[str, str], nodes: list[dict], num_nodes: int) -> dict[str, Any]:
+    """One state for the job: Failed / Completed from the nodes' reports, else from EC2."""
+    failed = [n for n in nodes if n.get("state") == "failed"]
+    if failed:
+        first = failed[0]
+        return {"state": "Failed", "failure_reason":
+                first.get("reason") or f"node {first.get('host')} failed"}
+    done = [n for n in nodes if n.get("state") == "completed"]
+    if num_nodes and len(done) >= num_nodes:
+        return {"state": "Completed", "failure_reason": None}
+    live = [s for s in instances.values() if s in ("pending", "running")]
+    if live:
+        running = any(n.get("state") == "running" for n in nodes)
+        return {"state": "InProgress", "secondary_status": "Training" if running else "Starting",
+                "failure_reason": None}
+    if not instances and not nodes:
+        return {"state": "Unknown", "failure_reason": None}
+    return {"state": "Stopped", "failure_reason":
+            "nodes ended before every node reported completion (stopped, spot interruption or "
+            "max_run)"}
+
+
+def new_log_lines(s3: Any, prefix: str, seen: dict[str, int], *, host: str | None,
+                  rank: int | None) -> Iterator[str]:
+    """Lines added since the last call to each log object (``seen`` holds the offsets)."""
+    from dtrain.launcher.ec2_bootstrap import list_keys, split_s3
+
+    bucket, _ = split_s3(prefix)
+    root = f"{split_s3(prefix)[1]}/logs/"
+    for key in sorted(list_keys(s3, f"{prefix}/logs/")):
+        node, _, name = key[len(root):].partition("/")
+        if host is not None and node != host:
+            continue
+        if rank is not None and name.split(".")[0] != f"rank-{rank}":
+            continue
+        body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+        start = seen.get(key, 0)
+        seen[key] = len(body)
+        for line in body[start:].decode(errors="replace").splitlines():
+            yield f"{node}: {line}"
+
+
+# ---------------------------------------------------------------- leftovers (`dtrain ec2 gc`)
+
+def find_leftovers(ec2: Any, *, include_running: bool = False) -> Created:
+    """dtrain-tagged resources no complete cluster uses; nothing untagged is ever listed.
+
+    A launch whose live nodes are fewer than its ``dtrain:num-nodes`` never came up whole (the
+    launcher died mid-way), so its nodes are leftovers; groups are leftovers once no live node
+    of their launch remains. ``include_running`` lists every dtrain node too.
+    """
+    launches: dict[str, list[dict]] = {}
+    for instance in job_instances(ec2, None):
+        if instance["State"]["Name"] in LIVE_STATES:
+            launches.setdefault(tag_map(instance).get(req.TAG_LAUNCH, ""), []).append(instance)
+    found = Created(job="*")
+    kept: set[str] = set()
+    for launch, nodes in launches.items():
+        want = int(tag_map(nodes[0]).get(req.TAG_NUM_NODES, len(nodes)))
+        if include_running or len(nodes) < want:
+            found.instances += [i["InstanceId"] for i in nodes]
+        else:
+            kept.add(launch)
+    found.security_groups = [g["GroupId"] for g in job_security_groups(ec2, None)
+                             if tag_map(g).get(req.TAG_LAUNCH) not in kept]
+    found.placement_groups = [g["GroupName"] for g in job_placement_groups(ec2, None)
+                              if tag_map(g).get(req.TAG_LAUNCH) not in kept]
+    return found

@@ -1,0 +1,279 @@
+"""The EC2 backend against moto: launch a 2-node p4d job, stop it, fail half-way, gc leftovers.
+
+moto implements instances, security groups, subnets, IAM and S3 but not placement groups, and it
+accepts EFA interface types and capacity reservations without modelling them. ``PlacementGroups``
+below is the one test double: a botocore ``before-call`` handler that answers exactly
+Create/Describe/DeletePlacementGroup. ``RunInstances`` still goes to moto; a
+``before-parameter-build`` handler only records what was sent so the EFA, placement and capacity
+parameters can be asserted. The SSM lookup of the Deep Learning AMI uses botocore's Stubber
+(moto refuses the reserved ``/aws/`` parameter names).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.awsrequest import AWSResponse
+from botocore.stub import Stubber
+from dtrain.errors import DtrainError
+from dtrain.launcher import ec2_requests as req
+from dtrain.launcher import ec2_resources as res
+from dtrain.launcher.ec2 import Ec2Launcher
+from dtrain.planner import plan
+from dtrain.spec import JobSpec
+from moto import mock_aws
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "ec2-p4d.yaml"
+REGION = "us-east-1"
+BUCKET = "dtrain-example-bucket"
+JOB = "pythia-1b-ec2-20250101-000000"
+
+
+class PlacementGroups:
+    """Create/Describe/DeletePlacementGroup answered in the test (moto has none).
+
+    ``before-parameter-build`` sees the API-level parameters; ``before-call`` answers with them.
+    """
+
+    def __init__(self, events):
+        self.groups: dict[str, dict] = {}
+        self.calls: list[tuple[str, dict]] = []
+        self._params: dict = {}
+        for op in ("CreatePlacementGroup", "DescribePlacementGroups", "DeletePlacementGroup"):
+            events.register(f"before-parameter-build.ec2.{op}", self._keep)
+        events.register("before-call.ec2.CreatePlacementGroup", self._create)
+        events.register("before-call.ec2.DescribePlacementGroups", self._describe)
+        events.register("before-call.ec2.DeletePlacementGroup", self._delete)
+
+    def _keep(self, params, **_):
+        self._params = dict(params)
+
+    @staticmethod
+    def _ok(body: dict):
+        return AWSResponse("https://ec2", 200, {}, None), {
+            **body, "ResponseMetadata": {"HTTPStatusCode": 200}}
+
+    def _create(self, **_):
+        params = self._params
+        self.calls.append(("create", params))
+        tags = params.get("TagSpecifications", [{}])[0].get("Tags", [])
+        self.groups[params["GroupName"]] = {"GroupName": params["GroupName"],
+                                            "Strategy": params["Strategy"],
+                                            "State": "available", "Tags": tags}
+        return self._ok({"PlacementGroup": self.groups[params["GroupName"]]})
+
+    def _describe(self, **_):
+        wanted = {f["Name"][4:]: f["Values"] for f in self._params.get("Filters", [])
+                  if f["Name"].startswith("tag:")}
+        found = [g for g in self.groups.values()
+                 if all(res.tag_map(g).get(k) in v for k, v in wanted.items())]
+        return self._ok({"PlacementGroups": found})
+
+    def _delete(self, **_):
+        self.calls.append(("delete", self._params))
+        self.groups.pop(self._params["GroupName"], None)
+        return self._ok({})
+
+
+def record_run_instances(client) -> list[dict]:
+    sent: list[dict] = []
+    client.meta.events.register("before-parameter-build.ec2.RunInstances",
+                                lambda params, **_: sent.append(dict(params)))
+    return sent
+
+
+def fail_run_instances_after(client, launched: int, code="InsufficientInstanceCapacity"):
+    """RunInstances succeeds ``launched`` times, then EC2 says it has no capacity."""
+    calls = {"n": 0}
+
+    def handler(**_):
+        calls["n"] += 1
+        if calls["n"] > launched:
+            return AWSResponse("https://ec2", 500, {}, None), {
+                "Error": {"Code": code, "Message": "We currently do not have sufficient "
+                          "p4d.24xlarge capacity in the Availability Zone you requested."},
+                "ResponseMetadata": {"HTTPStatusCode": 500}}
+        return None
+    client.meta.events.register("before-call.ec2.RunInstances", handler)
+
+
+@pytest.fixture
+def aws(tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRAIN_HOME", str(tmp_path / "home"))
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with mock_aws():
+        # on the default session, so clients the CLI builds get the double too
+        boto3.setup_default_session()
+        groups = PlacementGroups(boto3.DEFAULT_SESSION.events)
+        ec2 = boto3.client("ec2", region_name=REGION)
+        s3 = boto3.client("s3", region_name=REGION)
+        s3.create_bucket(Bucket=BUCKET)
+        iam = boto3.client("iam", region_name=REGION)
+        iam.create_instance_profile(InstanceProfileName="dtrain-node")
+        subnet = ec2.describe_subnets(
+            Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]
+        yield {"ec2": ec2, "s3": s3, "subnet": subnet, "pg": groups,
+               "sent": record_run_instances(ec2)}
+
+
+def launcher_for(aws, **kwargs) -> Ec2Launcher:
+    ssm = boto3.client("ssm", region_name=REGION)
+    stub = Stubber(ssm)
+    ami = aws["ec2"].describe_images()["Images"][0]["ImageId"]
+    stub.add_response("get_parameter", {"Parameter": {"Name": req.DLAMI_SSM_PARAMETER,
+                                                      "Value": ami, "Type": "String"}},
+                      {"Name": req.DLAMI_SSM_PARAMETER})
+    stub.activate()
+    return Ec2Launcher(ec2_client=aws["ec2"], s3_client=aws["s3"], ssm_client=ssm,
+                       region=REGION, stream=io.StringIO(), sleep=lambda s: None, **kwargs)
+
+
+def p4d_request(launcher, aws, *overrides):
+    spec = JobSpec.from_file(EXAMPLE, overrides=[
+        f"ec2.subnet_id={aws['subnet']['SubnetId']}", *overrides])
+    return launcher.build_request(plan(spec), job_name=JOB)
+
+
+def live_instances(ec2) -> list[dict]:
+    return [i for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]
+            if i["State"]["Name"] in ("pending", "running")]
+
+
+def dtrain_groups(ec2) -> list[dict]:
+    return [g for g in ec2.describe_security_groups()["SecurityGroups"]
+            if g["GroupName"].startswith("dtrain-")]
+
+
+def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    request = p4d_request(launcher, aws)
+    facts = launcher.submit(request)
+    ec2 = aws["ec2"]
+    nodes = live_instances(ec2)
+    assert sorted(i["InstanceId"] for i in nodes) == sorted(facts["instance_ids"])
+    assert len(nodes) == 2 and {i["SubnetId"] for i in nodes} == {aws["subnet"]["SubnetId"]}
+    for instance in nodes:
+        tags = res.tag_map(instance)
+        assert tags[req.TAG_JOB] == JOB and tags[req.TAG_CREATED_BY] == "dtrain"
+        assert tags[req.TAG_LAUNCH] == facts["launch_token"]
+        assert instance["MetadataOptions"]["HttpTokens"] == "required"
+        raw = ec2.describe_instance_attribute(InstanceId=instance["InstanceId"],
+                                              Attribute="userData")["UserData"]["Value"]
+        text = base64.b64decode(raw).decode()
+        assert f"export DTRAIN_NODE_RANK={tags[req.TAG_NODE_RANK]}\n" in text
+        assert f'"launch_token": "{facts["launch_token"]}"' in text and "{{" not in text
+    # what moto cannot model, asserted on the requests sent
+    group = facts["placement_group"]
+    kind, created = aws["pg"].calls[0]
+    assert (kind, created["GroupName"], created["Strategy"]) == ("create", group, "cluster")
+    assert res.tag_map(created["TagSpecifications"][0])[req.TAG_JOB] == JOB
+    for sent in aws["sent"]:
+        assert sent["Placement"] == {"GroupName": group}
+        assert [n["InterfaceType"] for n in sent["NetworkInterfaces"]] == ["efa"] * 4
+        assert {tuple(n["Groups"]) for n in sent["NetworkInterfaces"]} == {
+            (facts["security_group_id"],)}
+    # the self-only security group
+    sg = ec2.describe_security_groups(GroupIds=[facts["security_group_id"]])["SecurityGroups"][0]
+    assert [p["UserIdGroupPairs"][0]["GroupId"] for p in sg["IpPermissions"]] == [sg["GroupId"]]
+    assert not any(r.get("CidrIp") for p in sg["IpPermissions"] for r in p["IpRanges"])
+    # code and runtime wheel uploaded for the bootstrap
+    keys = {o["Key"] for o in aws["s3"].list_objects_v2(Bucket=BUCKET)["Contents"]}
+    assert {f"dtrain/{JOB}/source/sourcedir.tar.gz",
+            f"dtrain/{JOB}/source/{req.WHEEL_NAME}"} <= keys
+    assert launcher.status(JOB)["state"] == "InProgress"
+
+
+def test_stop_leaves_no_running_instance_and_no_dtrain_security_group(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    launcher.submit(p4d_request(launcher, aws))
+    assert launcher.stop(JOB) == []
+    assert live_instances(aws["ec2"]) == []
+    assert dtrain_groups(aws["ec2"]) == []
+    assert aws["pg"].groups == {}
+    assert launcher.status(JOB)["state"] == "Stopped"
+
+
+def test_capacity_error_on_second_node_rolls_everything_back(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    fail_run_instances_after(aws["ec2"], launched=1)
+    with pytest.raises(DtrainError) as caught:
+        launcher.submit(p4d_request(launcher, aws))
+    message = str(caught.value)
+    assert "\n" not in message and "InsufficientInstanceCapacity" in message
+    assert "launched 1 of 2 nodes, all terminated" in message
+    assert "ec2.subnet_id" in message and "capacity_reservation_id" in message
+    assert live_instances(aws["ec2"]) == []
+    assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
+    assert "Contents" not in aws["s3"].list_objects_v2(Bucket=BUCKET)  # uploads removed too
+
+
+def test_cost_above_threshold_is_refused_without_yes_and_nothing_is_created(aws):
+    launcher = launcher_for(aws)
+    with pytest.raises(DtrainError, match="confirm_above_usd"):
+        launcher.submit(p4d_request(launcher, aws))
+    assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
+    asked = []
+    launcher = launcher_for(aws, confirm=lambda q: asked.append(q) or False)
+    with pytest.raises(DtrainError):
+        launcher.submit(p4d_request(launcher, aws))
+    assert "up to $786.54" in asked[0]
+
+
+def test_capacity_reservation_is_sent_as_given(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    launcher.submit(p4d_request(launcher, aws, "ec2.capacity_reservation_id=cr-0abc",
+                                "ec2.capacity_block=true"))
+    for sent in aws["sent"]:
+        assert sent["CapacityReservationSpecification"] == {
+            "CapacityReservationTarget": {"CapacityReservationId": "cr-0abc"}}
+        assert sent["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+
+
+def plant_leftovers(aws):
+    """A half-launched dtrain job, a dtrain security group, and look-alikes without tags."""
+    ec2 = aws["ec2"]
+    ami = ec2.describe_images()["Images"][0]["ImageId"]
+    tags = [{"Key": req.TAG_CREATED_BY, "Value": "dtrain"}, {"Key": req.TAG_JOB, "Value": "old"},
+            {"Key": req.TAG_LAUNCH, "Value": "t1"}, {"Key": req.TAG_NUM_NODES, "Value": "2"}]
+    orphan = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1, TagSpecifications=[
+        {"ResourceType": "instance", "Tags": tags}])["Instances"][0]["InstanceId"]
+    vpc = aws["subnet"]["VpcId"]
+    group = ec2.create_security_group(GroupName="dtrain-old-t1", Description="x", VpcId=vpc,
+                                      TagSpecifications=[{"ResourceType": "security-group",
+                                                          "Tags": tags}])["GroupId"]
+    ec2.create_placement_group(GroupName="dtrain-old-t1", Strategy="cluster", TagSpecifications=[
+        {"ResourceType": "placement-group", "Tags": tags}])
+    mine = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
+    my_group = ec2.create_security_group(GroupName="dtrain-lookalike", Description="untagged",
+                                         VpcId=vpc)["GroupId"]
+    return {"orphan": orphan, "group": group, "mine": mine, "my_group": my_group}
+
+
+def test_gc_removes_planted_leftovers_and_nothing_untagged(aws):
+    from click.testing import CliRunner
+    from dtrain.cli_ec2 import ec2 as ec2_group
+
+    planted = plant_leftovers(aws)
+    launcher = launcher_for(aws, assume_yes=True)
+    launcher.submit(p4d_request(launcher, aws))  # a healthy job: gc must leave it alone
+    runner = CliRunner()
+    dry = runner.invoke(ec2_group, ["gc", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert planted["orphan"] in dry.output and planted["group"] in dry.output
+    assert len(live_instances(aws["ec2"])) == 4  # dry run removed nothing
+    done = runner.invoke(ec2_group, ["gc", "--yes"])
+    assert done.exit_code == 0, done.output
+    live = {i["InstanceId"] for i in live_instances(aws["ec2"])}
+    assert planted["orphan"] not in live and planted["mine"] in live and len(live) == 3
+    groups = {g["GroupId"] for g in aws["ec2"].describe_security_groups()["SecurityGroups"]}
+    assert planted["group"] not in groups and planted["my_group"] in groups
+    assert "dtrain-old-t1" not in aws["pg"].groups and len(aws["pg"].groups) == 1
+    assert launcher.status(JOB)["state"] == "InProgress"
