@@ -23,6 +23,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from dtrain.errors import DtrainError
 from dtrain.launcher import aws, packaging
+from dtrain.launcher.base import Launcher
 from dtrain.launcher import sagemaker_request as req
 from dtrain.launcher.cloudwatch import SAGEMAKER_LOG_GROUP, LogFilter, LogReader
 
@@ -76,8 +77,11 @@ def job_name_of(job: Any) -> str:
     return (getattr(job, "target_data", None) or {}).get("training_job_name") or job.name
 
 
-class SageMakerLauncher:
-    """``build_request`` / ``submit`` / ``status`` / ``wait`` / ``logs`` / ``stop``."""
+class SageMakerLauncher(Launcher):
+    """``build_request`` / ``submit`` / ``status`` / ``wait`` / ``logs`` / ``stop``.
+
+    Lifecycle methods take a store record (``dtrain.store.JobRecord``) or a training job name.
+    """
 
     name = "sagemaker"
 
@@ -225,7 +229,7 @@ class SageMakerLauncher:
                 raise
             raise aws.as_dtrain_error(exc, f"DescribeTrainingJob {job_name}") from None
 
-    def status(self, job: Any) -> dict[str, Any]:
+    def job_status(self, job: Any) -> dict[str, Any]:
         """State, secondary status, FailureReason (verbatim) and model artifacts of a job."""
         job_name = job_name_of(job)
         described = self.describe(job_name)
@@ -249,7 +253,7 @@ class SageMakerLauncher:
         shown = 0
         report = on_transition or (lambda line: self.out.write(line + "\n"))
         while True:
-            status = self.status(job_name)
+            status = self.job_status(job_name)
             transitions = status["transitions"] or [
                 {"status": status["secondary_status"], "message": ""}]
             for item in transitions[shown:]:
@@ -267,14 +271,51 @@ class SageMakerLauncher:
         reader = LogReader(self.client("logs"), job_name, filter=LogFilter(host, rank),
                            poll_s=poll_s, sleep=self.sleep)
         yield from reader.lines(
-            follow=follow, done=lambda: self.status(job_name)["state"] in TERMINAL_STATES)
+            follow=follow, done=lambda: self.job_status(job_name)["state"] in TERMINAL_STATES)
 
-    def stop(self, job: Any) -> None:
-        job_name = job_name_of(job)
+    def status(self, record: Any, *, store: Any = None) -> Any:
+        """Refresh a store record from DescribeTrainingJob (state, SecondaryStatus, reason)."""
+        from dtrain.store import JobStore
+
+        store = store if store is not None else JobStore()
+        record = store.find(record) if isinstance(record, str) else record
+        if record.is_final:
+            return record
+        current = self.job_status(record)
+        fields: dict[str, Any] = {}
+        if current["failure_reason"]:
+            fields["failure_reason"] = current["failure_reason"]  # verbatim, as SageMaker says
+        if current["state"] in TERMINAL_STATES:
+            fields["ended_at"] = time.time()
+        return store.update(record.id, status=store_status(current), **fields, target_data={
+            "secondary_status": current["secondary_status"],
+            "transitions": current["transitions"], "model_data": current["model_data"]})
+
+    def stop(self, record: Any, *, store: Any = None) -> Any:
+        """StopTrainingJob; SageMaker sends SIGTERM, so the agent checkpoints and exits."""
+        from dtrain.store import STOPPING, JobStore
+
+        job_name = job_name_of(record)
         try:
             self.client("sagemaker").stop_training_job(TrainingJobName=job_name)
         except Exception as exc:
             if not hasattr(exc, "response"):
                 raise
             raise aws.as_dtrain_error(exc, f"StopTrainingJob {job_name}") from None
+        if isinstance(record, str):
+            return None
+        store = store if store is not None else JobStore()
+        return record if record.is_final else store.update(record.id, status=STOPPING)
 
+
+# SecondaryStatus values before the training container runs.
+_STARTING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack",
+             "Downloading", "DownloadingTrainingImage", "Restarting", "Interrupted"}
+
+
+def store_status(current: dict[str, Any]) -> str:
+    """SageMaker's TrainingJobStatus/SecondaryStatus -> the job store's status names."""
+    state = current["state"]
+    if state == "InProgress":
+        return "Starting" if current["secondary_status"] in _STARTING else "Running"
+    return state  # Completed, Failed, Stopping, Stopped: same names

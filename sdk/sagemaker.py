@@ -176,7 +176,7 @@ class PyTorch:
         """S3 URI of ``model.tar.gz`` once the job has completed."""
         if not self.latest_training_job:
             raise DtrainError("model_data: this estimator has no job yet; call fit() or attach()")
-        return self._launcher_obj().status(self.latest_training_job)["model_data"]
+        return self._launcher_obj().job_status(self.latest_training_job)["model_data"]
 
     def stop(self) -> None:
         self._launcher_obj().stop(self.latest_training_job)

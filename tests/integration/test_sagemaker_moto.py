@@ -122,6 +122,14 @@ def test_status_wait_and_model_data_of_a_finished_job(submitted):
     assert lines and lines[0].startswith(facts["job_name"] + ": Starting")
 
 
+def test_status_refreshes_the_store_record(submitted):
+    _, launcher, facts, _ = submitted
+    record = launcher.status(facts["record"], store=JobStore())
+    assert record.status == "Completed" and record.ended_at
+    assert record.target_data["model_data"].endswith("/output/model.tar.gz")
+    assert record.target_data["secondary_status"] == "Completed"
+
+
 def test_logs_merge_every_host_and_filter_by_host_and_rank(submitted):
     aws, launcher, facts, _ = submitted
     name, group = facts["job_name"], "/aws/sagemaker/TrainingJobs"
@@ -156,8 +164,11 @@ def test_stop_calls_stop_training_job(submitted):
         return SimpleNamespace(status_code=200, headers={}), {}
 
     client.meta.events.register("before-call.sagemaker.StopTrainingJob", answer_stop)
-    SageMakerLauncher(sagemaker_client=client).stop(facts["job_name"])
+    store = JobStore()
+    running = store.update(facts["record"].id, status="Running")
+    record = SageMakerLauncher(sagemaker_client=client).stop(running, store=store)
     assert calls == [facts["job_name"]]
+    assert record.status == "Stopping"
 
 
 def test_missing_bucket_fails_before_any_upload(moto_aws, tmp_path):  # noqa: F811

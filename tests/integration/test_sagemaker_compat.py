@@ -1,0 +1,93 @@
+"""SageMaker SDK compatibility: SMP estimator code runs with only its import changed.
+
+The SageMaker SDK is not a test dependency, so the SMP example runs with a two-function stand-in
+``sagemaker`` package written into a temp folder (``get_execution_role`` and
+``image_uris.retrieve``, the two SDK calls the example and the image lookup make).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtrain.errors import DtrainError
+from dtrain.sagemaker import PyTorch, to_model_trainer
+from dtrain.testing import moto_aws  # noqa: F401
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_SDK = {
+    "__init__.py": "import os\n\ndef get_execution_role():\n"
+                   "    return os.environ['FAKE_SAGEMAKER_ROLE']\n",
+    "image_uris.py": "def retrieve(framework, region, version, py_version, instance_type,\n"
+                     "             image_scope):\n"
+                     "    return (f'763104351884.dkr.ecr.{region}.amazonaws.com/{framework}-'\n"
+                     "            f'{image_scope}:{version}-gpu-{py_version}')\n",
+}
+
+
+def test_smp_example_runs_against_moto_with_sharding_degree_and_backend(moto_aws, tmp_path):  # noqa: F811
+    sdk = tmp_path / "fake_sdk" / "sagemaker"
+    sdk.mkdir(parents=True)
+    for name, text in FAKE_SDK.items():
+        (sdk / name).write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(sdk.parent), "FAKE_SAGEMAKER_ROLE": moto_aws.role_arn}
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "smp_port.py")], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [summary] = moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"]
+    name = summary["TrainingJobName"]
+    assert name.startswith("sharded-data-parallel-demo-")
+    job = moto_aws.sagemaker.describe_training_job(TrainingJobName=name)
+    dist = json.loads(job["HyperParameters"]["dtrain_distribution"])
+    assert dist["sharding_degree"] == 8
+    assert (dist["backend"], dist["collectives"]) == ("nccl", "dtrain")  # ddp_dist_backend auto
+    assert dist["mixed_precision"] == "bf16"
+    assert job["HyperParameters"]["dtrain_processes_per_host"] == "8"
+    assert job["ResourceConfig"] == {**job["ResourceConfig"], "InstanceCount": 2,
+                                     "InstanceType": "ml.p4d.24xlarge"}
+    assert job["AlgorithmSpecification"]["TrainingImage"].endswith("pytorch-training:2.0.1-gpu-py310")
+    bucket = "sagemaker-us-east-1-123456789012"  # the SDK's default bucket, created on demand
+    assert job["OutputDataConfig"]["S3OutputPath"] == f"s3://{bucket}"
+    assert done.stdout.strip().endswith("model.tar.gz")
+
+
+def estimator(**kwargs) -> PyTorch:
+    args = dict(entry_point="train.py", source_dir=str(ROOT / "examples" / "sagemaker_src"),
+                role="arn:aws:iam::123456789012:role/R", instance_type="ml.p4d.24xlarge",
+                instance_count=2, output_path="s3://b-ucket/out", image_uri="img:1")
+    return PyTorch(**{**args, **kwargs})
+
+
+def test_estimator_arguments_become_the_spec():
+    spec = estimator(
+        hyperparameters={"epochs": 2}, use_spot_instances=True, max_run=3600, max_wait=7200,
+        checkpoint_s3_uri="s3://b-ucket/ckpt", environment={"A": "1"},
+        tags=[{"Key": "team", "Value": "ml"}], subnets=["subnet-1"], security_group_ids=["sg-1"],
+        distribution={"torch_distributed": {"enabled": True}}, base_job_name="my-job",
+    ).to_spec({"train": "s3://b-ucket/train", "test": "s3://b-ucket/test"})
+    assert spec.name == "my-job" and spec.compute.instance_count == 2
+    assert spec.compute.use_spot and spec.compute.max_wait == 7200
+    assert spec.checkpoint.uri == "s3://b-ucket/ckpt" and spec.tags == {"team": "ml"}
+    assert spec.inputs == {"train": "s3://b-ucket/train", "test": "s3://b-ucket/test"}
+    assert spec.sagemaker.subnets == ["subnet-1"] and spec.hyperparameters == {"epochs": 2}
+
+
+def test_a_single_s3_input_is_the_training_channel():
+    assert estimator().to_spec("s3://b-ucket/data").inputs == {"training": "s3://b-ucket/data"}
+
+
+def test_unsupported_argument_is_a_one_line_error():
+    with pytest.raises(DtrainError, match=r"PyTorch\(warm_start_config=...\): not supported"):
+        estimator(warm_start_config=object())
+
+
+def test_to_model_trainer_without_the_sdk_says_how_to_install_it():
+    spec = estimator().to_spec()
+    with pytest.raises(DtrainError, match=r"pip install 'dtrain\[sagemaker\]'"):
+        to_model_trainer(spec)
