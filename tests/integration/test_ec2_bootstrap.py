@@ -1,0 +1,160 @@
+"""The node bootstrap run locally as two fake EC2 nodes against a moto S3 server.
+
+IMDS is stood in for by the Node facts (private IP, instance id), each node's contract root is
+a temp folder, and the node agent is a stub script that reads the contract with
+``dtrain.contract.read_contract`` (exactly what ``python -m dtrain.runtime`` does first) and
+writes a model, output data and a rank log. The nodes start in reverse order to show the S3
+rendezvous does not depend on boot order.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+from dtrain import contract
+from dtrain.launcher import ec2_bootstrap as boot
+from dtrain.launcher import ec2_requests as req
+from dtrain.planner import plan
+from dtrain.spec import JobSpec
+from moto.server import ThreadedMotoServer
+
+ROOT = Path(__file__).resolve().parents[2]
+BUCKET = "dtrain-example-bucket"
+JOB = "pythia-1b-ec2-20250101-000000"
+IPS = ["10.0.0.12", "10.0.0.7"]  # rank order; sorting would flip them
+
+STUB_AGENT = """
+import json, os, sys
+from dtrain import contract
+c = contract.read_contract(sys.argv[1])
+os.makedirs(c.paths.logs_dir, exist_ok=True)
+with open(os.path.join(c.paths.logs_dir, f"rank-{c.node_rank}.log"), "w") as f:
+    f.write(f"hello from {c.current_host}\\n")
+with open(os.path.join(c.paths.model_dir, f"part-{c.current_host}.txt"), "w") as f:
+    f.write(json.dumps({"hosts": c.hosts, "entry": c.settings.entry_point,
+                        "code": sorted(os.listdir(c.module_dir)),
+                        "train": sorted(os.listdir(c.channels["train"])),
+                        "lr": c.hyperparameters["lr"], "nccl": os.environ.get("NCCL_DEBUG")}))
+sys.exit(int(os.environ.get("STUB_EXIT", "0")))
+"""
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    server = ThreadedMotoServer(port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    client = boto3.client("s3", region_name="us-east-1", endpoint_url=s3_server)
+    if BUCKET in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        for item in client.list_objects_v2(Bucket=BUCKET).get("Contents", []):
+            client.delete_object(Bucket=BUCKET, Key=item["Key"])
+    else:
+        client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def job_config(token: str) -> dict:
+    spec = JobSpec.from_file(ROOT / "examples" / "ec2-p4d.yaml",
+                             overrides=["ec2.subnet_id=subnet-1"])
+    text = req.render_user_data(plan(spec), JOB, 0)
+    body = text.split("<<'DTRAIN_JOB_JSON'\n", 1)[1].split("\nDTRAIN_JOB_JSON\n", 1)[0]
+    return json.loads(req.fill_placeholders(body, {"launch_token": token}))
+
+
+def upload_artifacts(s3, config: dict) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = b"print('train')\n"
+        info = tarfile.TarInfo("train.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    bucket, key = boot.split_s3(config["source"])
+    s3.put_object(Bucket=bucket, Key=key, Body=buffer.getvalue())
+    bucket, key = boot.split_s3(config["channels"]["train"])
+    s3.put_object(Bucket=bucket, Key=f"{key}/shard-0.jsonl", Body=b"{}\n")
+
+
+def run_two_nodes(s3, tmp_path, config, monkeypatch, exit_code=0) -> list[int]:
+    stub = tmp_path / "agent.py"
+    stub.write_text(STUB_AGENT)
+    monkeypatch.setenv("STUB_EXIT", str(exit_code))
+    codes = [None, None]
+
+    def node(rank):
+        n = boot.Node(rank=rank, private_ip=IPS[rank], instance_id=f"i-{rank}",
+                      root=str(tmp_path / f"node{rank}" / "ml"),
+                      work_dir=str(tmp_path / f"node{rank}" / "work"))
+        codes[rank] = boot.run_node(s3, config, n, command=[sys.executable, str(stub), n.root],
+                                    rendezvous_timeout_s=60, poll_s=0.2)
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (1, 0)]
+    threads[0].start()
+    time.sleep(0.5)  # node 1 boots first and waits for node 0
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=120)
+    return codes
+
+
+def read_json(s3, key):
+    return json.loads(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+
+
+def test_two_nodes_rendezvous_write_a_contract_the_agent_reads_and_upload_results(
+        s3, tmp_path, monkeypatch):
+    config = job_config("tok1")
+    upload_artifacts(s3, config)
+    assert run_two_nodes(s3, tmp_path, config, monkeypatch) == [0, 0]
+    prefix = f"dtrain/{JOB}"
+    for rank, ip in enumerate(IPS):
+        status = read_json(s3, f"{prefix}/status/{ip}.json")
+        assert (status["state"], status["rank"], status["exit_code"]) == ("completed", rank, 0)
+        seen = read_json(s3, f"{prefix}/model/part-{ip}.txt")
+        assert seen["hosts"] == sorted(IPS) and seen["entry"] == "train.py"
+        assert seen["code"] == ["train.py"] and seen["train"] == ["shard-0.jsonl"]
+        assert seen["lr"] == 0.0003 and seen["nccl"] == "WARN"
+        log = s3.get_object(Bucket=BUCKET, Key=f"{prefix}/logs/{ip}/rank-{rank}.log")
+        assert log["Body"].read() == f"hello from {ip}\n".encode()
+        written = contract.read_contract(str(tmp_path / f"node{rank}" / "ml"), num_gpus=8)
+        assert written.current_host == ip and written.settings.processes_per_host == 8
+        assert written.checkpoint_config["S3Uri"] == f"s3://{BUCKET}/{prefix}/checkpoints"
+
+
+def test_a_failing_agent_is_reported_failed_in_the_status_objects(s3, tmp_path, monkeypatch):
+    config = job_config("tok2")
+    upload_artifacts(s3, config)
+    assert run_two_nodes(s3, tmp_path, config, monkeypatch, exit_code=3) == [3, 3]
+    from dtrain.launcher.ec2_resources import job_state, read_status_objects
+
+    nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
+    assert [n["state"] for n in nodes] == ["failed", "failed"]
+    state = job_state({}, nodes, 2)
+    assert state["state"] == "Failed" and "code 3" in state["failure_reason"]
+
+
+def test_rendezvous_gives_up_with_a_failed_status_when_a_node_never_arrives(s3, tmp_path):
+    config = job_config("tok3")
+    node = boot.Node(rank=0, private_ip=IPS[0], instance_id="i-0",
+                     root=str(tmp_path / "ml"), work_dir=str(tmp_path / "work"))
+    code = boot.run_node(s3, config, node, command=["false"], rendezvous_timeout_s=0.5,
+                         poll_s=0.1)
+    status = read_json(s3, f"dtrain/{JOB}/status/{IPS[0]}.json")
+    assert code == 1 and status["state"] == "failed"
+    assert "1 of 2 nodes checked in" in status["reason"]

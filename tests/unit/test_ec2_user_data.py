@@ -1,0 +1,62 @@
+"""The user-data shell script run locally with stand-ins for aws, python and shutdown.
+
+It must schedule the max_run backstop, write the job config, install the wheel, start the Python
+bootstrap with this node's rank, and power the node off at the end even when a step fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from dtrain.launcher import ec2_requests as req
+from dtrain.planner import plan
+from dtrain.spec import JobSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _stub(folder: Path, name: str, body: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def run_user_data(tmp_path, *, aws_exit=0):
+    spec = JobSpec.from_file(ROOT / "examples" / "ec2-p4d.yaml", overrides=["ec2.subnet_id=s-1"])
+    script = tmp_path / "user-data.sh"
+    script.write_text(req.render_user_data(plan(spec), "job-1", 1))
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    _stub(bin_dir, "aws", f'echo "aws $*" >> {calls}; exit {aws_exit}\n')
+    _stub(bin_dir, "shutdown", f'echo "shutdown $*" >> {calls}\n')
+    _stub(bin_dir, "python-stub", f'echo "python $*" >> {calls}\n')
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DTRAIN_BOOTSTRAP_DIR": str(tmp_path / "w"),
+           "DTRAIN_PYTHON": str(bin_dir / "python-stub"), "AWS_DEFAULT_REGION": "us-east-1",
+           "DTRAIN_HOME": str(tmp_path / "home")}
+    subprocess.run(["bash", str(script)], env=env, timeout=60, check=False)
+    return calls.read_text().splitlines(), tmp_path / "w"
+
+
+def test_user_data_installs_runs_the_bootstrap_and_powers_off(tmp_path):
+    calls, work = run_user_data(tmp_path)
+    assert calls[0] == 'shutdown -h +735 dtrain: max_run reached'
+    assert calls[1].startswith("aws s3 cp --only-show-errors s3://dtrain-example-bucket/dtrain/"
+                               f"job-1/source/{req.WHEEL_NAME} ")
+    assert calls[2] == f"python -m pip install --quiet {work}/{req.WHEEL_NAME}"
+    assert calls[3] == (f"python -m dtrain.launcher.ec2_bootstrap --config {work}/job.json "
+                        f"--rank 1 --work-dir {work}")
+    assert calls[-1] == "shutdown -h now dtrain: node finished"
+    config = json.loads((work / "job.json").read_text())
+    assert config["job"] == "job-1" and config["num_nodes"] == 2
+
+
+@pytest.mark.parametrize("aws_exit", [1])
+def test_user_data_powers_off_when_the_wheel_cannot_be_fetched(tmp_path, aws_exit):
+    calls, _ = run_user_data(tmp_path, aws_exit=aws_exit)
+    assert not any(c.startswith("python") for c in calls)
+    assert calls[-1] == "shutdown -h now dtrain: node finished"
