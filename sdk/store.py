@@ -171,6 +171,17 @@ class JobStore:
         self._retry(insert)
         return record
 
+    def add(self, *, job_name: str, target: str, spec: dict[str, Any] | None,
+            request: dict[str, Any] | None = None,
+            details: dict[str, Any] | None = None) -> JobRecord:
+        """Record a cloud job right after it was created (the SageMaker and EC2 backends call this).
+
+        The backend's job name is the record's name and its facts are the target data.
+        """
+        data = {**(details or {}), "request": request}
+        return self.create(name=job_name, target=target, spec=spec or {}, status=STARTING,
+                           output_location=(details or {}).get("output_path"), target_data=data)
+
     def update(self, job_id: str, *, status: str | None = None,
                target_data: dict[str, Any] | None = None, **fields: Any) -> JobRecord:
         """Change fields of a job; ``target_data`` is merged. A final status never changes.

@@ -1,0 +1,104 @@
+"""The Launcher interface every backend implements, and lookup of backends by name.
+
+A backend turns a Plan into a request with the pure ``build_request`` (what ``--dry-run``
+prints), sends it with ``submit``, and then answers ``status``/``logs``/``stop`` for the job
+record the store holds. Backends are imported only when used, so ``import dtrain`` stays light.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, Iterator
+
+from dtrain.errors import DtrainError
+from dtrain.store import JobRecord, JobStore
+
+if TYPE_CHECKING:
+    from dtrain.planner import Plan
+
+BACKENDS = {
+    "local": "dtrain.launcher.local:LocalLauncher",
+    "sagemaker": "dtrain.launcher.sagemaker:SageMakerLauncher",
+    "ec2": "dtrain.launcher.ec2:Ec2Launcher",
+}
+
+
+class Launcher(ABC):
+    """One target (local processes, SageMaker training jobs, EC2 instances)."""
+
+    name: str
+
+    @abstractmethod
+    def build_request(self, plan: Plan) -> dict[str, Any]:
+        """The exact request ``submit`` would send. Pure: no I/O, no clock-dependent ids."""
+
+    @abstractmethod
+    def submit(self, request: dict[str, Any], *, store: JobStore) -> JobRecord:
+        """Start the job, record it in ``store`` and return the record."""
+
+    @abstractmethod
+    def status(self, record: JobRecord, *, store: JobStore) -> JobRecord:
+        """Refresh the record from the target (and write the change to ``store``)."""
+
+    @abstractmethod
+    def logs(self, record: JobRecord, *, follow: bool = False, host: str | None = None,
+             rank: int | None = None) -> Iterator[str]:
+        """The job's log lines, optionally only one host or rank; ``follow`` until it ends."""
+
+    @abstractmethod
+    def stop(self, record: JobRecord, *, store: JobStore) -> JobRecord:
+        """Ask the job to stop; returns the record (Stopping or already final)."""
+
+
+# Map the cloud backends' own state names onto the store's.
+_STATE_NAMES = {"InProgress": "Running", "Pending": "Pending", "Starting": "Starting",
+                "Running": "Running", "Completed": "Completed", "Failed": "Failed",
+                "Stopping": "Stopping", "Stopped": "Stopped"}
+
+
+class NamedJobBackend(Launcher):
+    """Adapts a backend whose lifecycle methods take the job name (SageMaker, EC2 as written)."""
+
+    def __init__(self, backend: Any, name: str):
+        self.backend = backend
+        self.name = name
+
+    def build_request(self, plan: Plan) -> dict[str, Any]:
+        return self.backend.build_request(plan)
+
+    def submit(self, request: dict[str, Any], *, store: JobStore) -> JobRecord:
+        facts = self.backend.submit(request, store=store)
+        return store.find(facts["job_name"])
+
+    def status(self, record: JobRecord, *, store: JobStore) -> JobRecord:
+        if record.is_final:
+            return record
+        state = self.backend.status(record.name)
+        status = _STATE_NAMES.get(str(state.get("state")), record.status)
+        return store.update(record.id, status=status,
+                            failure_reason=state.get("failure_reason") or record.failure_reason)
+
+    def logs(self, record: JobRecord, *, follow: bool = False, host: str | None = None,
+             rank: int | None = None) -> Iterator[str]:
+        return self.backend.logs(record.name, follow=follow, host=host, rank=rank)
+
+    def stop(self, record: JobRecord, *, store: JobStore) -> JobRecord:
+        if record.is_final:
+            return record
+        self.backend.stop(record.name)
+        return store.update(record.id, status="Stopping")
+
+
+def get_launcher(name: str, **clients: Any) -> Launcher:
+    """The backend for target ``name``; ``clients`` go to its constructor (boto3 clients...)."""
+    try:
+        module_name, class_name = BACKENDS[name].split(":")
+    except KeyError:
+        raise DtrainError(f"unknown target {name!r}; use one of {sorted(BACKENDS)}") from None
+    try:
+        backend_class = getattr(import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise DtrainError(f"target {name!r} is not available in this install: {exc}") from None
+    backend = backend_class(**clients)
+    return backend if isinstance(backend, Launcher) else NamedJobBackend(backend, name)

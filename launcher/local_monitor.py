@@ -1,0 +1,124 @@
+"""``python -m dtrain.launcher.local_monitor JOB_DIR``: owns one local job until it ends.
+
+Started detached by ``LocalLauncher.submit``. Runs one node agent per simulated host, each in
+its own session so the whole tree can be signalled; stops the others when one host fails (as
+SageMaker does); on SIGTERM (``dtrain stop``) stops every agent within the grace period; and
+writes the final status, because it is the one process that sees every agent exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from dtrain import contract
+from dtrain.launcher.local import REQUEST_FILE, agent_log, host_root, kill_process_groups
+from dtrain.store import COMPLETED, FAILED, RUNNING, STARTING, STOPPED, JobStore
+
+MAX_RUN_EXIT_CODE = 124  # the node agent's code for "max_run reached"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_agents(request: dict, job_dir: str) -> list[subprocess.Popen]:
+    hosts = request["hosts"]
+    env = dict(os.environ, **request.get("environment", {}),
+               DTRAIN_MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
+    if len(hosts) > 1:
+        env[contract.MASTER_PORT_ENV] = str(free_port())
+    agents = []
+    for host in hosts:
+        with open(agent_log(job_dir, host), "ab") as log:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "dtrain.runtime", "--root", host_root(job_dir, host),
+                 "--grace-period", str(request["grace_period_s"])],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
+    return agents
+
+
+def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every agent (they forward it to workers), SIGKILL what is left after the grace."""
+    running = [a for a in agents if a.poll() is None]
+    kill_process_groups([a.pid for a in running], signal.SIGTERM)
+    deadline = time.monotonic() + grace_s + 5  # the agents' own grace plus their shutdown
+    while any(a.poll() is None for a in running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    kill_process_groups([a.pid for a in agents], signal.SIGKILL)
+    for agent in agents:
+        agent.wait()
+
+
+def root_cause(request: dict, job_dir: str) -> str:
+    """The earliest failure any host reported (other hosts usually fail as a consequence)."""
+    found = []
+    for host in request["hosts"]:
+        paths = contract.Paths(host_root(job_dir, host))
+        try:
+            with open(paths.failure_details_file) as f:
+                details = json.load(f)
+            with open(paths.failure_file) as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        found.append((details.get("reason") == "max_run", details.get("timestamp") or 0, text))
+    if not found:
+        return ""
+    found.sort(key=lambda item: (not item[0], item[1]))  # max_run first, then the earliest
+    return found[0][2]
+
+
+def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list) -> None:
+    job_id = request["job_id"]
+    store.update(job_id, status=STARTING, target_data={"monitor_pid": os.getpid()})
+    agents = start_agents(request, job_dir)
+    store.update(job_id, status=RUNNING, started_at=time.time(),
+                 target_data={"agent_pids": [a.pid for a in agents]})
+    grace = float(request["grace_period_s"])
+    while True:
+        codes = [a.poll() for a in agents]
+        if stop_requested:
+            stop_agents(agents, grace)
+            store.update(job_id, status=STOPPED, failure_reason="stopped by user")
+            return
+        if all(code == 0 for code in codes):
+            store.update(job_id, status=COMPLETED)
+            return
+        if any(code not in (None, 0) for code in codes):
+            stop_agents(agents, grace)  # one host failed: the job has failed
+            reason = root_cause(request, job_dir) or \
+                f"node agent exit codes {[a.returncode for a in agents]}; see `dtrain logs`"
+            max_run = MAX_RUN_EXIT_CODE in codes
+            store.update(job_id, status=STOPPED if max_run else FAILED, failure_reason=reason)
+            return
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    job_dir = (argv or sys.argv[1:])[0]
+    with open(os.path.join(job_dir, REQUEST_FILE)) as f:
+        request = json.load(f)
+    store = JobStore()
+    stop_requested: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the submitting shell is not a stop
+    try:
+        supervise(request, job_dir, store, stop_requested)
+    except BaseException as exc:
+        store.update(request["job_id"], status=FAILED,
+                     failure_reason=f"local job monitor failed: {type(exc).__name__}: {exc}")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""``dtrain submit/list/status/logs/stop``: parse, call ``dtrain.jobs``, print. No logic here.
+
+``dtrain.cli`` registers ``COMMANDS`` on the main group.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from typing import Any
+
+import click
+
+from dtrain.cli_common import OUTPUT_OPTION, echo_json, load_spec, spec_options
+
+_RANK_ZERO = re.compile(r"^\[\S+ 0\]:")
+
+
+def _fmt_time(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _duration(record: Any) -> str:
+    if not record.started_at:
+        return "-"
+    seconds = int((record.ended_at or time.time()) - record.started_at)
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+
+
+def progress_line(metrics: dict[str, float]) -> str:
+    parts = [f"step {metrics['step']}"]
+    if "loss" in metrics:
+        parts.append(f"loss {metrics['loss']:.4f}")
+    if "tokens_per_s" in metrics:
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+    return " · ".join(parts)
+
+
+def _show_progress(job_id: str) -> None:
+    """One progress line from rank 0's metric lines, rewritten in place on a terminal."""
+    from dtrain import jobs
+    from dtrain.metrics_format import parse_metrics
+
+    tty = sys.stdout.isatty()
+    shown = False
+    for line in jobs.logs(job_id, follow=True, rank=0):
+        metrics = parse_metrics(line)
+        if metrics and "step" in metrics:
+            text = progress_line(metrics)
+            click.echo(f"\r\033[K{text}" if tty else text, nl=not tty)
+            shown = True
+    if shown and tty:
+        click.echo()
+
+
+def _finish(record: Any, output: str) -> None:
+    from dtrain.errors import DtrainError
+
+    if output == "json":
+        echo_json(record.to_dict())
+    else:
+        click.echo(f"{record.id} {record.name}: {record.status} after {_duration(record)}"
+                   f" · output {record.output_location or '-'}")
+    if record.status != "Completed":
+        raise DtrainError(f"job {record.id} {record.status}: "
+                          f"{_first_line(record.failure_reason) or 'see `dtrain logs ' + record.id + '`'}")
+
+
+@click.command()
+@spec_options
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait for the job to end (and exit 1 unless it completed).")
+@click.option("--follow", "-f", is_flag=True, help="Stream every log line while it runs.")
+@click.option("--dry-run", is_flag=True, help="Print the request that would be sent; run nothing.")
+@OUTPUT_OPTION
+def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait: bool,
+           follow: bool, dry_run: bool, output: str) -> None:
+    """Run a job spec on its target (this machine by default)."""
+    from dtrain import jobs
+
+    spec = load_spec(spec_path, overrides, target)
+    if dry_run:
+        echo_json(jobs.submit(spec, dry_run=True))
+        return
+    record = jobs.submit(spec, wait=False)
+    if output != "json":
+        click.echo(f"submitted {record.id} ({record.name}) · target {record.target} · "
+                   f"logs: dtrain logs {record.id}")
+    if follow:
+        for line in jobs.logs(record.id, follow=True):
+            click.echo(line)
+    elif wait and output != "json":
+        _show_progress(record.id)
+    if not (wait or follow):
+        if output == "json":
+            echo_json(record.to_dict())
+        return
+    _finish(jobs.wait_for(record.id), output)
+
+
+@click.command("list")
+@click.option("--target", type=click.Choice(["local", "sagemaker", "ec2"]), default=None,
+              help="Only jobs of this target.")
+@click.option("--limit", type=int, default=50, show_default=True, help="Newest N jobs.")
+@OUTPUT_OPTION
+def list_command(target: str | None, limit: int, output: str) -> None:
+    """List recorded jobs, newest first."""
+    from dtrain import jobs
+
+    records = jobs.list_jobs(target=target, limit=limit)
+    if output == "json":
+        echo_json([r.to_dict() for r in records])
+        return
+    click.echo(f"{'ID':<12}  {'NAME':<24}  {'TARGET':<9}  {'STATUS':<9}  {'CREATED':<19}  TIME")
+    for r in records:
+        click.echo(f"{r.id:<12}  {r.name[:24]:<24}  {r.target:<9}  {r.status:<9}  "
+                   f"{_fmt_time(r.created_at):<19}  {_duration(r)}")
+
+
+@click.command()
+@click.argument("job")
+@OUTPUT_OPTION
+def status(job: str, output: str) -> None:
+    """Show a job's state (JOB: id, unique id prefix, or name for the latest)."""
+    from dtrain import jobs
+
+    record = jobs.get(job)
+    if output == "json":
+        echo_json(record.to_dict())
+        return
+    rows = [("id", record.id), ("name", record.name), ("target", record.target),
+            ("status", record.status), ("created", _fmt_time(record.created_at)),
+            ("started", _fmt_time(record.started_at)), ("ended", _fmt_time(record.ended_at)),
+            ("duration", _duration(record)), ("logs", record.log_location or "-"),
+            ("output", record.output_location or "-")]
+    for key, value in rows:
+        click.echo(f"{key:<9} {value}")
+    if record.failure_reason:
+        click.echo(f"{'reason':<9} {record.failure_reason.strip()}")
+
+
+@click.command()
+@click.argument("job")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
+@click.option("--host", default=None, help="Only this host (e.g. algo-2).")
+@click.option("--rank", type=int, default=None, help="Only this global rank.")
+def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
+    """Print a job's logs, every host and rank prefixed `[host rank]:`."""
+    from dtrain import jobs
+
+    for line in jobs.logs(job, follow=follow, host=host, rank=rank):
+        click.echo(line)
+
+
+@click.command()
+@click.argument("job")
+@click.option("--wait/--no-wait", default=False, show_default=True,
+              help="Wait until the job has stopped.")
+@OUTPUT_OPTION
+def stop(job: str, wait: bool, output: str) -> None:
+    """Stop a job: workers get SIGTERM, then SIGKILL after the grace period."""
+    from dtrain import jobs
+
+    record = jobs.stop(job, wait=wait)
+    if output == "json":
+        echo_json(record.to_dict())
+    else:
+        click.echo(f"{record.id} {record.name}: {record.status}")
+
+
+COMMANDS = [submit, list_command, status, logs, stop]

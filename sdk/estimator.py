@@ -1,0 +1,72 @@
+"""``Estimator``: the SageMaker-SDK-shaped way to run a dtrain job from Python.
+
+    est = Estimator(entry_point="train.py", source_dir="src", instance_type="local",
+                    instance_count=2, hyperparameters={"epochs": 1})
+    est.fit({"train": "data/"})
+
+It builds the same ``JobSpec`` a YAML file would and calls ``dtrain.jobs.submit``; SMP-style
+``distribution`` dicts are translated by the spec, so SageMaker code ports by changing an import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dtrain.store import JobRecord
+
+LOCAL_INSTANCE_TYPES = ("local", "local_gpu")
+DEFAULT_CHANNEL = "training"  # the SageMaker SDK's channel name for a single input
+
+
+class Estimator:
+    def __init__(self, *, entry_point: str, source_dir: str | None = None,
+                 instance_type: str = "local", instance_count: int = 1,
+                 processes_per_instance: int | None = None,
+                 hyperparameters: dict[str, Any] | None = None,
+                 distribution: dict[str, Any] | None = None, target: str | None = None,
+                 name: str | None = None, base_job_name: str | None = None,
+                 output_path: str | None = None, environment: dict[str, str] | None = None,
+                 max_run: int | str | None = None, max_restarts: int | None = None,
+                 use_spot_instances: bool = False, checkpoint_s3_uri: str | None = None,
+                 role: str | None = None, tags: dict[str, str] | None = None,
+                 clients: dict[str, Any] | None = None):
+        compute: dict[str, Any] = {
+            "target": target or ("local" if instance_type in LOCAL_INSTANCE_TYPES
+                                 else "sagemaker"),
+            "instance_type": instance_type, "instance_count": instance_count,
+            "use_spot": use_spot_instances,
+        }
+        optional = {"processes_per_instance": processes_per_instance, "max_run": max_run,
+                    "max_restarts": max_restarts}
+        compute.update({k: v for k, v in optional.items() if v is not None})
+        self.spec_data: dict[str, Any] = {
+            "name": name or base_job_name, "entry_point": entry_point, "source_dir": source_dir,
+            "hyperparameters": dict(hyperparameters or {}), "compute": compute,
+            "distribution": dict(distribution or {}), "output_path": output_path,
+            "environment": dict(environment or {}), "tags": dict(tags or {}),
+        }
+        if checkpoint_s3_uri:
+            self.spec_data["checkpoint"] = {"uri": checkpoint_s3_uri}
+        if role:
+            self.spec_data["sagemaker"] = {"role": role}
+        self.clients = clients
+        self.latest_job: JobRecord | None = None
+
+    def spec(self, inputs: str | dict[str, str] | None = None):
+        """The validated JobSpec ``fit`` would submit (raises SpecError with every problem)."""
+        from dtrain.spec import JobSpec
+
+        data = {k: v for k, v in self.spec_data.items() if v is not None}
+        if inputs:
+            data["inputs"] = {DEFAULT_CHANNEL: inputs} if isinstance(inputs, str) else dict(inputs)
+        return JobSpec.from_dict(data)
+
+    def fit(self, inputs: str | dict[str, str] | None = None, *, wait: bool = True,
+            follow: bool = False) -> JobRecord:
+        """Submit the job; with ``wait`` return once it ended (check ``.status``)."""
+        from dtrain import jobs
+
+        self.latest_job = jobs.submit(self.spec(inputs), wait=wait, follow=follow,
+                                      clients=self.clients,
+                                      on_line=print if follow else None)
+        return self.latest_job
