@@ -84,7 +84,11 @@ class LogReader:
                 return events
 
     def poll(self) -> list[str]:
-        """New lines since the last call, ``<host>: <message>``, in time order."""
+        """New lines since the last call, in time order.
+
+        Worker lines keep their ``[<host> <rank>]:`` prefix as on every target; the agent's own
+        lines get ``[<host>]`` so every line says where it came from.
+        """
         self._discover()
         events: list[tuple[int, str, str]] = []
         for cursor in self._cursors.values():
@@ -94,7 +98,8 @@ class LogReader:
         for _, stream, message in events:
             message = message.rstrip("\n")
             if self.filter.line_matches(message):
-                lines.append(f"{_host_of(stream, self.job_name)}: {message}")
+                lines.append(message if _RANK_PREFIX.match(message)
+                             else f"[{_host_of(stream, self.job_name)}] {message}")
         return lines
 
     def lines(self, *, follow: bool = False,

@@ -137,7 +137,8 @@ def test_logs_merge_every_host_and_filter_by_host_and_rank(submitted):
     now = int(time.time() * 1000)  # CloudWatch rejects events older than 14 days
     for host, ts, msg in (("algo-1", 1000, "[algo-1 0]: dtrain-metrics step=1 loss=2.0"),
                           ("algo-2", 1001, "[algo-2 8]: dtrain-metrics step=1 loss=2.1"),
-                          ("algo-1", 1002, "[algo-1 1]: done")):
+                          ("algo-1", 1002, "[algo-1 1]: done"),
+                          ("algo-2", 1003, "dtrain-agent INFO all workers exited")):
         stream = f"{name}/{host}-1700000000"
         try:
             aws.logs.create_log_stream(logGroupName=group, logStreamName=stream)
@@ -146,10 +147,11 @@ def test_logs_merge_every_host_and_filter_by_host_and_rank(submitted):
         aws.logs.put_log_events(logGroupName=group, logStreamName=stream,
                                 logEvents=[{"timestamp": now + ts, "message": msg}])
     everything = list(launcher.logs(name))
-    assert everything == ["algo-1: [algo-1 0]: dtrain-metrics step=1 loss=2.0",
-                          "algo-2: [algo-2 8]: dtrain-metrics step=1 loss=2.1",
-                          "algo-1: [algo-1 1]: done"]
-    assert list(launcher.logs(name, host="algo-2")) == [everything[1]]
+    assert everything == ["[algo-1 0]: dtrain-metrics step=1 loss=2.0",
+                          "[algo-2 8]: dtrain-metrics step=1 loss=2.1",
+                          "[algo-1 1]: done",
+                          "[algo-2] dtrain-agent INFO all workers exited"]
+    assert list(launcher.logs(name, host="algo-2")) == [everything[1], everything[3]]
     assert list(launcher.logs(name, rank=1)) == [everything[2]]
     assert list(launcher.logs(name, follow=True, poll_s=0)) == everything  # job already ended
 
