@@ -104,17 +104,15 @@ def _price(value: float | None) -> str:
     return "-" if value is None else f"{value:,.2f}"
 
 
-def _register_job_commands() -> None:
-    """submit/list/status/logs/stop live in cli_jobs.py (one module per concern)."""
-    try:
-        from dtrain import cli_jobs
-    except ImportError:
-        return
-    for command in cli_jobs.COMMANDS:
+def _register_commands() -> None:
+    """Job and EC2 commands live in their own modules (one module per concern)."""
+    from dtrain import cli_ec2, cli_jobs
+
+    for command in (*cli_jobs.COMMANDS, *cli_ec2.COMMANDS):
         cli.add_command(command)
 
 
-_register_job_commands()
+_register_commands()
 
 
 def main(argv: list[str] | None = None) -> None:
