@@ -425,7 +425,9 @@ def read_contract(root: str | None = None, *, num_gpus: int | None = None) -> Co
         current_host=resource["current_host"],
         hosts=list(resource["hosts"]),
         network_interface_name=resource.get("network_interface_name", "eth0"),
-        hyperparameters={k: v for k, v in raw.items() if k not in reserved},
+        # sagemaker_* keys are the SDK's framework settings: the toolkit keeps them from scripts
+        hyperparameters={k: v for k, v in raw.items()
+                         if k not in reserved and not k.startswith("sagemaker_")},
         settings=settings,
         channels={c: paths.channel_dir(c) for c in sorted(input_data)},
         input_data_config=input_data,

@@ -231,3 +231,16 @@ def test_reserved_channel_name_is_rejected():
 def test_spot_with_warm_pool_is_rejected_before_any_call():
     with pytest.raises(DtrainError, match="warm pools do not work with managed spot"):
         build(example_spec("sagemaker.keep_alive_period=300"))
+
+
+def test_sagemaker_framework_keys_never_reach_the_user_script(tmp_path):
+    from dtrain import contract
+
+    config = tmp_path / "input" / "config"
+    config.mkdir(parents=True)
+    (config / "resourceconfig.json").write_text(json.dumps(
+        {"current_host": "algo-1", "hosts": ["algo-1", "algo-2"]}))
+    (config / "hyperparameters.json").write_text(json.dumps(build(example_spec())["HyperParameters"]))
+    read = contract.read_contract(str(tmp_path), num_gpus=8)
+    assert not [a for a in read.user_args() if a.startswith(("--sagemaker_", "--dtrain_"))]
+    assert "--lr" in read.user_args() and read.settings.processes_per_host == 8
