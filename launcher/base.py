@@ -8,8 +8,9 @@ record the store holds. Backends are imported only when used, so ``import dtrain
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from importlib import import_module
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import DtrainError
 from dtrain.store import JobRecord, JobStore

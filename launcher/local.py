@@ -15,7 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from dtrain import contract
 from dtrain.errors import DtrainError
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 REQUEST_FILE = "request.json"
 AGENT_LOG = "agent.log"
 DEFAULT_GRACE_PERIOD_S = 30
+GRACE_PERIOD_ENV = "DTRAIN_STOP_GRACE_PERIOD"  # seconds workers get between SIGTERM and SIGKILL
 _RANK_PREFIX = re.compile(r"^\[(\S+) (\d+)\]:")
 
 
@@ -49,8 +51,10 @@ def agent_log(job_dir: str, host: str) -> str:
 class LocalLauncher(Launcher):
     name = "local"
 
-    def __init__(self, *, s3_client: Any = None, grace_period_s: int = DEFAULT_GRACE_PERIOD_S):
+    def __init__(self, *, s3_client: Any = None, grace_period_s: int | None = None):
         self._s3 = s3_client
+        if grace_period_s is None:
+            grace_period_s = int(os.environ.get(GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S))
         self.grace_period_s = grace_period_s
 
     # ---------------------------------------------------------------- request

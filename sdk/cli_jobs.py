@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import click
-
 from dtrain.cli_common import OUTPUT_OPTION, echo_json, load_spec, spec_options
 
 _RANK_ZERO = re.compile(r"^\[\S+ 0\]:")

@@ -16,8 +16,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 DEFAULT_ROOT = "/opt/ml"
 ROOT_ENV = "DTRAIN_ROOT"
@@ -58,7 +59,7 @@ DISTRIBUTION_DEFAULTS: dict[str, Any] = {
 
 def bare_instance_type(instance_type: str) -> str:
     """``ml.p4d.24xlarge`` -> ``p4d.24xlarge`` (SageMaker names carry the prefix, EC2's do not)."""
-    return instance_type[3:] if instance_type.startswith("ml.") else instance_type
+    return instance_type.removeprefix("ml.")
 
 
 def efa_environment(instance_type: str, network_interface_name: str) -> dict[str, str]:
@@ -311,7 +312,7 @@ class Contract:
 
     @property
     def master_host(self) -> str:
-        return sorted(self.hosts)[0]
+        return min(self.hosts)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -380,7 +381,7 @@ class Contract:
 
 
 def _module_name(entry_point: str) -> str:
-    return entry_point[:-3] if entry_point.endswith(".py") else entry_point
+    return entry_point.removesuffix(".py")
 
 
 def to_env_vars(mapping: Mapping[str, Any]) -> dict[str, str]:

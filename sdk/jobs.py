@@ -7,7 +7,8 @@ from the job store, so ``get``/``logs``/``stop``/``wait`` treat every target ali
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from dtrain.errors import DtrainError
 from dtrain.store import JobRecord, JobStore

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -33,12 +34,20 @@ def _is_zombie(pid: str) -> bool:
 
 @pytest.fixture
 def live_processes():
-    """``live_processes(text)`` -> cmdlines of running (non-zombie) processes that mention text."""
-    def find(text: str) -> list[str]:
+    """``live_processes(text)`` -> cmdlines of running (non-zombie) processes that mention text.
+
+    ``settle_s`` gives processes that are already exiting that long to be gone.
+    """
+    def find(text: str, *, settle_s: float = 5.0) -> list[str]:
         me = str(os.getpid())
-        return [
-            cmd for pid in os.listdir("/proc")
-            if pid.isdigit() and pid != me and text in (cmd := _cmdline(pid))
-            and not _is_zombie(pid)
-        ]
+        deadline = time.monotonic() + settle_s
+        while True:
+            found = [
+                cmd for pid in os.listdir("/proc")
+                if pid.isdigit() and pid != me and text in (cmd := _cmdline(pid))
+                and not _is_zombie(pid)
+            ]
+            if not found or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
     return find

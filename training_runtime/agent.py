@@ -18,11 +18,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+from dtrain import contract as c
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-from dtrain import contract as c
 
 logger = logging.getLogger("dtrain.runtime.agent")
 

@@ -7,20 +7,19 @@ import subprocess
 import sys
 
 import pytest
-
 from dtrain import contract as c
 
 
 def write(tmp_path, **overrides):
-    kwargs = dict(
-        current_host="algo-2", hosts=["algo-2", "algo-1"],
-        settings=c.Settings(entry_point="train.py", job_name="j1", source_dir="/src",
+    kwargs = {
+        "current_host": "algo-2", "hosts": ["algo-2", "algo-1"],
+        "settings": c.Settings(entry_point="train.py", job_name="j1", source_dir="/src",
                             processes_per_host=2, max_restarts=1, max_run=60,
                             distribution={"sharding_degree": 4}),
-        hyperparameters={"epochs": 3, "lr": 0.1, "name": "tiny", "flag": True,
+        "hyperparameters": {"epochs": 3, "lr": 0.1, "name": "tiny", "flag": True,
                          "layers": [1, 2], "opt": {"b": 2, "a": 1}},
-        channels=["train", "eval"],
-    )
+        "channels": ["train", "eval"],
+    }
     kwargs.update(overrides)
     return c.write_host_contract(str(tmp_path), **kwargs)
 
@@ -127,5 +126,6 @@ def test_contract_module_imports_only_the_standard_library():
     code = ("import sys; import dtrain.contract; "
             "bad = [m for m in ('torch', 'pydantic', 'boto3', 'yaml', 'click') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr

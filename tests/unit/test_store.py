@@ -6,7 +6,6 @@ import multiprocessing
 import os
 
 import pytest
-
 from dtrain.errors import DtrainError
 from dtrain.store import COMPLETED, FAILED, RUNNING, JobStore, default_db_path
 

@@ -1,0 +1,115 @@
+"""``dtrain submit/list/status/logs/stop`` as a user runs them: real CLI processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def dtrain(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True,
+                            text=True, timeout=timeout, env=dict(os.environ), check=False)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def write_job(tmp_path, script: str, **compute) -> str:
+    code = tmp_path / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text(textwrap.dedent(script))
+    spec = {"name": "cli-job", "entry_point": "train.py", "source_dir": "code",
+            "compute": {"instance_type": "local", "max_run": 120, **compute}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def status_of(job: str) -> dict:
+    return json.loads(dtrain("status", job, "-o", "json").stdout)
+
+
+def test_twenty_parallel_submits_get_twenty_records_that_all_finish(tmp_path):
+    spec = write_job(tmp_path, "print('done')\n")
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(
+            lambda _: dtrain("submit", spec, "--no-wait", "-o", "json", check=False),
+            range(20)))
+    assert [r.returncode for r in results] == [0] * 20, [r.stderr for r in results if r.stderr]
+    ids = {json.loads(r.stdout)["id"] for r in results}
+    assert len(ids) == 20
+    deadline = time.monotonic() + 150
+    while True:
+        records = json.loads(dtrain("list", "-o", "json").stdout)
+        if all(r["status"] in ("Completed", "Failed", "Stopped") for r in records):
+            break
+        assert time.monotonic() < deadline, [r["status"] for r in records]
+        time.sleep(1)
+    assert {r["id"] for r in records} == ids
+    assert {r["status"] for r in records} == {"Completed"}, [r["failure_reason"] for r in records]
+
+
+def test_stop_during_a_run_ends_every_process_within_the_grace_period(
+        tmp_path, monkeypatch, dtrain_home, live_processes):
+    monkeypatch.setenv("DTRAIN_STOP_GRACE_PERIOD", "2")
+    spec = write_job(tmp_path, """
+        import signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("running", flush=True)
+        time.sleep(300)
+        """, processes_per_instance=2)
+    job = json.loads(dtrain("submit", spec, "--no-wait", "-o", "json").stdout)["id"]
+    deadline = time.monotonic() + 60
+    while "running" not in dtrain("logs", job).stdout:
+        assert time.monotonic() < deadline, status_of(job)
+        time.sleep(0.5)
+    dtrain("stop", job)
+    stopped_at = time.monotonic()
+    while status_of(job)["status"] != "Stopped":
+        assert time.monotonic() - stopped_at < 20, status_of(job)
+        time.sleep(0.3)
+    assert live_processes(str(dtrain_home)) == [] and live_processes(str(tmp_path)) == []
+
+
+def test_failed_job_exits_non_zero_with_one_line_reason(tmp_path):
+    spec = write_job(tmp_path, "raise ValueError('bad batch')\n")
+    result = dtrain("submit", spec, check=False)
+    assert result.returncode == 1
+    assert "Failed: rank 0 on algo-1 exited with code 1: ValueError: bad batch" in result.stderr
+
+
+def test_invalid_input_exits_2_and_unknown_job_exits_1(tmp_path):
+    spec = write_job(tmp_path, "", instance_count=0)
+    assert dtrain("submit", spec, check=False).returncode == 2
+    result = dtrain("status", "no-such-job", check=False)
+    assert result.returncode == 1 and result.stderr.startswith("error: no job")
+
+
+def test_example_local_cpu_job_trains_two_hosts_by_two_processes():
+    result = dtrain("submit", str(REPO / "examples/local-cpu.yaml"),
+                    "--set", "hyperparameters.steps=20", timeout=240)
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert progress and "tokens/s" in progress[-1]
+    losses = [float(line.split("loss ")[1].split()[0]) for line in progress]
+    assert losses[-1] < losses[0] - 1.0
+    record = status_of("local-cpu-lm")
+    assert record["status"] == "Completed"
+    job_dir = Path(record["target_data"]["job_dir"])
+    assert (job_dir / "algo-1/model/model.pt").exists()
+    for host, ranks in (("algo-1", (0, 1)), ("algo-2", (2, 3))):
+        for rank in ranks:
+            assert (job_dir / host / f"output/logs/rank-{rank}.stdout.log").exists()
+    assert "Completed" in dtrain("status", record["id"]).stdout
