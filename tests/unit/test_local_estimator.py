@@ -1,0 +1,32 @@
+"""Estimator builds the same JobSpec a YAML file would; the client never imports torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from dtrain.estimator import Estimator
+
+
+def test_estimator_kwargs_become_a_local_job_spec(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    est = Estimator(entry_point="train.py", source_dir=str(tmp_path), instance_count=2,
+                    processes_per_instance=2, hyperparameters={"epochs": 1}, max_restarts=1)
+    (tmp_path / "data").mkdir()
+    spec = est.spec(str(tmp_path / "data"))
+    assert spec.compute.target == "local" and spec.world_size == 4
+    assert spec.inputs == {"training": str(tmp_path / "data")} and spec.compute.max_restarts == 1
+
+
+def test_cloud_instance_types_default_to_sagemaker(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    spec = Estimator(entry_point="train.py", source_dir=str(tmp_path),
+                     instance_type="ml.p4d.24xlarge", role="arn:aws:iam::123456789012:role/r",
+                     output_path="s3://b/out").spec()
+    assert spec.compute.target == "sagemaker"
+
+
+def test_client_side_job_modules_do_not_import_torch():
+    code = ("import sys, dtrain.cli, dtrain.jobs, dtrain.estimator, dtrain.launcher.local, "
+            "dtrain.launcher.local_monitor; sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
