@@ -22,7 +22,7 @@ def test_cloud_instance_types_default_to_sagemaker(tmp_path):
     (tmp_path / "train.py").write_text("")
     spec = Estimator(entry_point="train.py", source_dir=str(tmp_path),
                      instance_type="ml.p4d.24xlarge", role="arn:aws:iam::123456789012:role/r",
-                     output_path="s3://b/out").spec()
+                     output_path="s3://my-bucket/out").spec()
     assert spec.compute.target == "sagemaker"
 
 
