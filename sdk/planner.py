@@ -147,6 +147,10 @@ def plan(spec: JobSpec) -> Plan:
     cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn)
     work = workload(model, precision, dist.activation_checkpointing) if model else None
     notes: list[str] = []
+    if model is None:
+        notes.append("no model size in hyperparameters (model: <preset or HF folder>, "
+                     "num_parameters, or hidden_size + num_layers + vocab_size): memory, "
+                     "traffic and step time are not estimated")
 
     degree = _resolve_degree(spec, model, work, cluster, notes)
     hierarchical = _resolve_hierarchical(dist, degree, ppn)
@@ -200,12 +204,7 @@ def model_shape(hps: dict[str, Any]) -> ModelShape | None:
     shape = {key: _first(hps, names, config) for key, names in _SHAPE_KEYS.items()}
     explicit = hps.get("num_parameters")
     if explicit is None and not all(shape[k] for k in ("hidden_size", "num_layers", "vocab_size")):
-        if any(shape[k] for k in ("hidden_size", "num_layers")):
-            raise SpecError(
-                "hyperparameters: a model shape needs hidden_size, num_layers and vocab_size "
-                "(or num_parameters, or model: <preset>)"
-            )
-        return None
+        return None  # a script's own hyperparameters: nothing to size the model from
     try:
         if explicit is not None:
             num = int(float(explicit))

@@ -204,8 +204,10 @@ class SageMakerOptions(_Model):
         None, description="Training image; default: the AWS PyTorch training image for "
         "framework_version (needs the `sagemaker` extra).",
     )
-    framework_version: str = Field("2.5", description="PyTorch version of the AWS image.")
-    py_version: str = Field("py311", description="Python version tag of the AWS image.")
+    framework_version: str = Field(
+        "2.6", description="PyTorch version of the AWS image (dtrain's runtime needs >= 2.6)."
+    )
+    py_version: str = Field("py312", description="Python version tag of the AWS image.")
     input_mode: Literal["File", "FastFile", "Pipe"] = Field(
         "File", description="How SageMaker delivers input channels."
     )
