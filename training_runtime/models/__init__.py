@@ -12,10 +12,9 @@ from importlib import import_module
 from typing import Any
 
 import torch
-from torch import nn
-
 from dtrain.presets import get_preset
 from dtrain.runtime.models.attention import ATTENTION_BACKENDS, check_backend, used_kernels
+from torch import nn
 
 __all__ = [
     "ATTENTION_BACKENDS", "build_model", "from_preset", "model_class", "num_parameters",

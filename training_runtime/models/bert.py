@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch import nn
-
 from dtrain.runtime.models.attention import attention
 from dtrain.runtime.models.common import HFCompatibleModel, activation, config_value, require
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -238,8 +237,8 @@ class BertForMaskedLM(HFCompatibleModel):
     hf_architecture = "BertForMaskedLM"
     base_model_prefix = "bert"
     head_name = "cls.predictions"
-    _no_split_modules = ["BertLayer"]
-    _tied_weights_keys = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
+    _no_split_modules: ClassVar[list[str]] = ["BertLayer"]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight"}
     # pre-training checkpoints carry a pooler and next-sentence head a masked LM does not use
     _ignored_hf_keys = (r"^(bert|roberta)\.pooler\.", r"^cls\.seq_relationship\.",
                         r"embeddings\.(position_ids|token_type_ids)$")
@@ -275,8 +274,8 @@ class RobertaForMaskedLM(BertForMaskedLM):
     hf_architecture = "RobertaForMaskedLM"
     base_model_prefix = "roberta"
     head_name = "lm_head"
-    _no_split_modules = ["RobertaLayer"]
-    _tied_weights_keys = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight"}
+    _no_split_modules: ClassVar[list[str]] = ["RobertaLayer"]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.decoder.weight": "roberta.embeddings.word_embeddings.weight"}
 
     def __init__(self, hf_config: dict[str, Any], *, attention: str = "flash") -> None:
         HFCompatibleModel.__init__(self, {"pad_token_id": 1, **hf_config}, attention=attention)

@@ -5,13 +5,13 @@ base class that gives each model deterministic initialisation, weight tying and 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from dtrain.runtime.models.attention import check_backend
+from torch import nn
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -93,9 +93,9 @@ class HFCompatibleModel(nn.Module):
     model_type: str = ""
     hf_architecture: str = ""
     base_model_prefix: str = ""
-    _no_split_modules: list[str] = []
+    _no_split_modules: ClassVar[list[str]] = []
     # our key -> the key it shares storage with, when the config ties embeddings
-    _tied_weights_keys: dict[str, str] = {}
+    _tied_weights_keys: ClassVar[dict[str, str]] = {}
     # HF checkpoint keys that hold no weights we need (old persistent buffers)
     _ignored_hf_keys: tuple[str, ...] = ()
 

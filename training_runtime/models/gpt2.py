@@ -10,13 +10,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch import nn
-
 from dtrain.runtime.models.attention import attention
 from dtrain.runtime.models.common import HFCompatibleModel, activation, config_value, require
+from torch import nn
 
 # the Conv1D weights of a GPT-2 checkpoint, stored (in_features, out_features)
 _CONV1D_WEIGHT = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
@@ -143,8 +142,8 @@ class GPT2LMHeadModel(HFCompatibleModel):
     model_type = "gpt2"
     hf_architecture = "GPT2LMHeadModel"
     base_model_prefix = "transformer"
-    _no_split_modules = ["GPT2Block"]
-    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _no_split_modules: ClassVar[list[str]] = ["GPT2Block"]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "transformer.wte.weight"}
     # older checkpoints (the original "gpt2") saved the causal-mask buffers
     _ignored_hf_keys = (r"\.attn\.(bias|masked_bias)$",)
 

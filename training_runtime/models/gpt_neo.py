@@ -8,13 +8,12 @@ scores by 1/sqrt(head_dim) (the released weights were trained that way), so neit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch import nn
-
 from dtrain.runtime.models.attention import attention
 from dtrain.runtime.models.common import HFCompatibleModel, activation, config_value, require
+from torch import nn
 
 ATTENTION_KINDS = ("global", "local")
 
@@ -162,8 +161,8 @@ class GPTNeoForCausalLM(HFCompatibleModel):
     model_type = "gpt_neo"
     hf_architecture = "GPTNeoForCausalLM"
     base_model_prefix = "transformer"
-    _no_split_modules = ["GPTNeoBlock"]
-    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _no_split_modules: ClassVar[list[str]] = ["GPTNeoBlock"]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "transformer.wte.weight"}
     # older checkpoints saved the (local) causal-mask buffers
     _ignored_hf_keys = (r"\.attn\.attention\.(bias|masked_bias)$",)
 

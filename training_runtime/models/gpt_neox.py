@@ -9,15 +9,19 @@ as HF and the EleutherAI checkpoints store it; rotary embeddings cover the first
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch import nn
-
 from dtrain.runtime.models.attention import attention
 from dtrain.runtime.models.common import (
-    HFCompatibleModel, activation, apply_rotary, config_value, require, rotary_cos_sin,
+    HFCompatibleModel,
+    activation,
+    apply_rotary,
+    config_value,
+    require,
+    rotary_cos_sin,
 )
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,8 @@ class GPTNeoXForCausalLM(HFCompatibleModel):
     model_type = "gpt_neox"
     hf_architecture = "GPTNeoXForCausalLM"
     base_model_prefix = "gpt_neox"
-    _no_split_modules = ["GPTNeoXLayer"]
-    _tied_weights_keys = {"lm_head.weight": "gpt_neox.embed_in.weight"}
+    _no_split_modules: ClassVar[list[str]] = ["GPTNeoXLayer"]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "gpt_neox.embed_in.weight"}
     # v4 checkpoints stored causal-mask and rotary buffers next to the weights
     _ignored_hf_keys = (r"\.attention\.(bias|masked_bias)$", r"rotary_emb\.inv_freq$")
 

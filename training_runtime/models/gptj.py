@@ -8,15 +8,19 @@ from one layer norm: ``x + attn(ln_1(x)) + mlp(ln_1(x))``. Its output head has a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from torch import nn
-
 from dtrain.runtime.models.attention import attention
 from dtrain.runtime.models.common import (
-    HFCompatibleModel, activation, apply_rotary, config_value, require, rotary_cos_sin,
+    HFCompatibleModel,
+    activation,
+    apply_rotary,
+    config_value,
+    require,
+    rotary_cos_sin,
 )
+from torch import nn
 
 ROTARY_BASE = 10000.0  # fixed in GPT-J; its config has no field for it
 
@@ -140,8 +144,8 @@ class GPTJForCausalLM(HFCompatibleModel):
     model_type = "gptj"
     hf_architecture = "GPTJForCausalLM"
     base_model_prefix = "transformer"
-    _no_split_modules = ["GPTJBlock"]
-    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+    _no_split_modules: ClassVar[list[str]] = ["GPTJBlock"]
+    _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "transformer.wte.weight"}
     _ignored_hf_keys = (r"\.attn\.(bias|masked_bias|embed_positions)$",)
 
     def __init__(self, hf_config: dict[str, Any], *, attention: str = "flash") -> None:

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dtrain.runtime.models import build_model
 from safetensors.torch import load_file, save_file
 from torch import nn
-
-from dtrain.runtime.models import build_model
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
