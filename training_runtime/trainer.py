@@ -72,9 +72,15 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self._previous: Any = None
 
     def install(self) -> None:
-        signal.signal(signal.SIGTERM, self._handle)
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True
@@ -133,6 +139,7 @@ class Trainer:
                     window.start = time.perf_counter()  # keep saving out of tokens/s
         finally:
             logger.close()
+            self.stop.uninstall()
         if not result.preempted:
             save_hf_model(self.model, self.model_dir)
         result.step = self.step

@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           model="gpt-neox-tiny", lr=3e-4)
     args = parse_args(parser, argv)
     # Windows of seq_len + 1 tokens: inputs and shifted targets come from the same window.
-    return run_recipe(args, loss_fn=next_token_loss, window=args.seq_len + 1)
+    return run_recipe(args, make_loss_fn=lambda *_: next_token_loss, window=args.seq_len + 1)
 
 
 if __name__ == "__main__":

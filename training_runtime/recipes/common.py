@@ -134,8 +134,13 @@ def check_vocab(model: nn.Module, dataset: TokenDataset) -> int:
     return vocab
 
 
-def run_recipe(args: argparse.Namespace, *, loss_fn: Callable[..., Any], window: int) -> int:
-    """Init, load data and model, shard, train, save; returns the process exit code."""
+def run_recipe(args: argparse.Namespace, *,
+               make_loss_fn: Callable[[argparse.Namespace, TokenDataset], Any],
+               window: int) -> int:
+    """Init, load data and model, shard, train, save; returns the process exit code.
+
+    ``make_loss_fn(args, dataset)`` returns the Trainer's ``loss_fn(model, batch)``.
+    """
     import dtrain.runtime as rt
 
     ctx = rt.init()
@@ -158,6 +163,7 @@ def run_recipe(args: argparse.Namespace, *, loss_fn: Callable[..., Any], window:
             checkpoint_interval=interval, keep_last=keep_last)
         flops = metrics.model_flops_per_token(model, seq_len=args.seq_len,
                                               activation_checkpointing=checkpointing)
+        loss_fn = make_loss_fn(args, dataset)
         trainer = Trainer(model, ctx, loss_fn, config=config, flops_per_token=flops)
         result = trainer.fit(loader)
     except ValueError as err:

@@ -1,0 +1,123 @@
+"""The Trainer through the built-in recipes, in one process: training, metrics, the HF model,
+determinism, SIGTERM handling and user errors.
+
+    pytest tests/integration/test_trainer.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from dtrain.metrics_format import parse_metrics
+from dtrain.runtime.checkpoint import latest_checkpoint
+
+CORPUS = Path(__file__).read_text() * 4
+COMMON = ["--micro_batch_size", "4", "--seq_len", "32", "--warmup_steps", "2"]
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch):
+    """A one-process job's contract environment; returns its folder."""
+    for key in list(os.environ):
+        if key.startswith(("SM_", "DTRAIN_")) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                          "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("SM_OUTPUT_DATA_DIR", str(tmp_path / "output"))
+    monkeypatch.setenv("DTRAIN_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    return tmp_path
+
+
+def _records(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_causal_lm_trains_and_reports_metrics_and_a_loadable_model(job, capsys):
+    from dtrain.runtime.models.hf_io import load_pretrained
+    from dtrain.runtime.recipes import causal_lm
+
+    code = causal_lm.main(["--model", "gpt-neox-tiny", "--data", str(job / "corpus.txt"),
+                           "--steps", "16", "--lr", "3e-3", "--log_interval", "4", *COMMON])
+    assert code == 0
+    lines = [parse_metrics(line) for line in capsys.readouterr().out.splitlines()]
+    metrics = [m for m in lines if m is not None]
+    assert [m["step"] for m in metrics] == [4, 8, 12, 16]
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5
+    assert all(m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 for m in metrics)
+    assert [r["step"] for r in _records(job / "output")] == [4, 8, 12, 16]
+    model = load_pretrained(job / "model")
+    assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 512)
+
+
+def test_identical_runs_give_identical_losses(job, tmp_path_factory, monkeypatch):
+    from dtrain.runtime.recipes import causal_lm
+
+    args = ["--model", "gpt-neox-tiny", "--data", str(job / "corpus.txt"), "--steps", "5",
+            "--log_interval", "1", "--seed", "3", *COMMON]
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path_factory.mktemp(name)
+        monkeypatch.setenv("SM_OUTPUT_DATA_DIR", str(out))
+        monkeypatch.setenv("SM_MODEL_DIR", str(out / "model"))
+        assert causal_lm.main(args) == 0
+        runs.append([r["loss"] for r in _records(out)])
+    assert len(runs[0]) == 5 and runs[0] == runs[1]
+
+
+def test_masked_lm_trains_bert_tiny(job):
+    from dtrain.runtime.recipes import masked_lm
+
+    code = masked_lm.main(["--model", "bert-tiny", "--data", str(job / "corpus.txt"),
+                           "--steps", "12", "--lr", "2e-3", "--log_interval", "3", *COMMON])
+    assert code == 0
+    losses = [r["loss"] for r in _records(job / "output")]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5
+    assert (job / "model" / "model.safetensors").is_file()
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_the_next_run_resumes(job):
+    import dtrain.runtime as rt
+    from dtrain.runtime.data import DistributedTokenLoader
+    from dtrain.runtime.models import from_preset
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.tokenize import encode_bytes
+    from dtrain.runtime.trainer import Trainer, TrainerConfig
+
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(batch.index)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives mid-step, as a spot notice would
+        return next_token_loss(model, batch)
+
+    def fit():
+        ctx = rt.init(distribution={"sharding_degree": 1})
+        torch.manual_seed(0)
+        model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
+        loader = DistributedTokenLoader(encode_bytes([CORPUS]), window=33, micro_batch_size=2)
+        trainer = Trainer(model, ctx, loss_fn, config=TrainerConfig(steps=6, log_interval=1))
+        return trainer.fit(loader)
+
+    first = fit()
+    assert first.preempted and first.step == 3
+    assert latest_checkpoint(job / "checkpoints").name == "step-000003"
+    assert not (job / "model").exists()
+    second = fit()
+    assert (second.resumed_from, second.step, second.preempted) == (3, 6, False)
+    assert calls == list(range(6))  # the data continued where the checkpoint left it
+    assert (job / "model" / "config.json").is_file()
+    torch.distributed.destroy_process_group()
+
+
+def test_missing_data_is_a_one_line_error(job, capsys):
+    from dtrain.runtime.recipes import causal_lm
+
+    assert causal_lm.main(["--data", "nope", "--steps", "1"]) == 2
+    assert "no input channel 'nope'" in capsys.readouterr().err
