@@ -23,8 +23,8 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
 
 from dtrain.errors import DtrainError
 from dtrain.launcher import aws, packaging
-from dtrain.launcher.base import Launcher
 from dtrain.launcher import sagemaker_request as req
+from dtrain.launcher.base import Launcher
 from dtrain.launcher.cloudwatch import SAGEMAKER_LOG_GROUP, LogFilter, LogReader
 
 if TYPE_CHECKING:

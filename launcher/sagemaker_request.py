@@ -59,6 +59,11 @@ def wheel_name() -> str:
     return f"dtrain-{__version__}-py3-none-any.whl"
 
 
+def entry_script_path() -> str:
+    """Where the entry script lies in the container (the code channel's folder)."""
+    return f"{CONTAINER_ROOT}/input/data/{CODE_CHANNEL}/{ENTRY_SCRIPT}"
+
+
 def model_data_uri(plan: Plan, job_name: str) -> str:
     """Where SageMaker puts ``model.tar.gz`` of a completed job."""
     return join_s3(plan.spec.output_path, job_name, "output", "model.tar.gz")
@@ -83,8 +88,7 @@ def build_create_training_job(plan: Plan, *, job_name: str, image_uri: str,
             "TrainingInputMode": sm.input_mode,
             "MetricDefinitions": metrics_format.metric_definitions(),
             "EnableSageMakerMetricsTimeSeries": True,
-            "ContainerEntrypoint": ["/bin/sh", f"{CONTAINER_ROOT}/input/data/{CODE_CHANNEL}/"
-                                               f"{ENTRY_SCRIPT}"],
+            "ContainerEntrypoint": ["/bin/sh", entry_script_path()],
         },
         "RoleArn": sm.role,
         "InputDataConfig": _input_channels(plan, job_name),
@@ -154,7 +158,7 @@ def _input_channels(plan: Plan, job_name: str) -> list[dict[str, Any]]:
     spec = plan.spec
     reserved = {CODE_CHANNEL, SOURCE_CHANNEL} & set(spec.inputs)
     if reserved:
-        raise DtrainError(f"inputs.{sorted(reserved)[0]}: this channel name is reserved by dtrain "
+        raise DtrainError(f"inputs.{min(reserved)}: this channel name is reserved by dtrain "
                           "for the job's code; rename the channel")
     channels = [_s3_channel(name, uri) for name, uri in sorted(spec.inputs.items())]
     # The code channel is always File mode: the entry script reads it before anything runs.

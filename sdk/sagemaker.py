@@ -213,54 +213,66 @@ def to_model_trainer(spec: Any) -> Any:
     """An equivalent ``sagemaker.train.ModelTrainer`` (SageMaker SDK v3) for a JobSpec.
 
     Same image, role, compute, stopping condition, data, output, checkpoints, network, tags,
-    environment and hyperparameters (``dtrain_*`` included, so dtrain's runtime reads the same
-    settings); the SDK runs ``entry_point`` itself with torchrun instead of dtrain's entry script.
+    environment, metric definitions, retry strategy and hyperparameters (``dtrain_*`` included,
+    so dtrain's runtime reads the same settings). One difference: the SDK starts ``entry_point``
+    with its own torchrun driver rather than dtrain's entry script and node agent.
     """
     try:
         from sagemaker.train import ModelTrainer, configs
+        from sagemaker.train.distributed import Torchrun
     except ImportError:
         raise DtrainError("to_model_trainer needs the SageMaker SDK v3; "
                           "pip install 'dtrain[sagemaker]'") from None
-    from dtrain.launcher import sagemaker_request as req
     from dtrain.launcher.sagemaker import SageMakerLauncher
     from dtrain.planner import plan
 
     p = plan(spec)
     request = SageMakerLauncher().build_request(p)
-    hps = {k: v for k, v in request["HyperParameters"].items() if not k.startswith("sagemaker_")}
     resource, stop = request["ResourceConfig"], request["StoppingCondition"]
-    vpc = request.get("VpcConfig", {})
-    distributed = getattr(__import__("sagemaker.train.distributed", fromlist=["Torchrun"]),
-                          "Torchrun", None)
-    return ModelTrainer(
+    vpc, output = request.get("VpcConfig", {}), request["OutputDataConfig"]
+    trainer = ModelTrainer(**_kw(
         training_image=request["AlgorithmSpecification"]["TrainingImage"],
         training_input_mode=request["AlgorithmSpecification"]["TrainingInputMode"],
         role=request["RoleArn"], base_job_name=spec.name,
-        source_code=configs.SourceCode(source_dir=spec.source_dir, entry_script=spec.entry_point),
-        distributed=distributed(process_count_per_node=p.processes_per_node) if distributed else None,
-        compute=configs.Compute(
+        source_code=configs.SourceCode(source_dir=spec.source_dir,
+                                       entry_script=spec.entry_point),
+        distributed=Torchrun(process_count_per_node=p.processes_per_node),
+        compute=configs.Compute(**_kw(
             instance_type=resource["InstanceType"], instance_count=resource["InstanceCount"],
             volume_size_in_gb=resource["VolumeSizeInGB"],
             volume_kms_key_id=resource.get("VolumeKmsKeyId"),
             keep_alive_period_in_seconds=resource.get("KeepAlivePeriodInSeconds"),
-            enable_managed_spot_training=request["EnableManagedSpotTraining"]),
-        stopping_condition=configs.StoppingCondition(
+            enable_managed_spot_training=request["EnableManagedSpotTraining"])),
+        stopping_condition=configs.StoppingCondition(**_kw(
             max_runtime_in_seconds=stop["MaxRuntimeInSeconds"],
-            max_wait_time_in_seconds=stop.get("MaxWaitTimeInSeconds")),
-        output_data_config=configs.OutputDataConfig(
-            s3_output_path=request["OutputDataConfig"]["S3OutputPath"],
-            kms_key_id=request["OutputDataConfig"].get("KmsKeyId")),
-        checkpoint_config=configs.CheckpointConfig(
-            s3_uri=request["CheckpointConfig"]["S3Uri"], local_path=req.CHECKPOINT_LOCAL_PATH),
-        networking=configs.Networking(
+            max_wait_time_in_seconds=stop.get("MaxWaitTimeInSeconds"))),
+        output_data_config=configs.OutputDataConfig(**_kw(
+            s3_output_path=output["S3OutputPath"], kms_key_id=output.get("KmsKeyId"))),
+        checkpoint_config=configs.CheckpointConfig(**{
+            "s3_uri": request["CheckpointConfig"]["S3Uri"],
+            "local_path": request["CheckpointConfig"]["LocalPath"]}),
+        networking=configs.Networking(**_kw(
             subnets=vpc.get("Subnets"), security_group_ids=vpc.get("SecurityGroupIds"),
-            enable_network_isolation=request["EnableNetworkIsolation"]),
+            enable_network_isolation=request["EnableNetworkIsolation"])),
         input_data_config=[configs.InputData(channel_name=name, data_source=uri)
-                           for name, uri in sorted(spec.inputs.items())],
-        hyperparameters={k: json.loads(v) for k, v in hps.items()},
+                           for name, uri in sorted(spec.inputs.items())] or None,
+        hyperparameters={k: json.loads(v) for k, v in request["HyperParameters"].items()
+                         if not k.startswith("sagemaker_")},
         environment=request["Environment"],
         tags=[configs.Tag(key=t["Key"], value=t["Value"]) for t in request["Tags"]],
-    )
+    ))
+    trainer = trainer.with_metric_definitions([
+        configs.MetricDefinition(name=m["Name"], regex=m["Regex"])
+        for m in request["AlgorithmSpecification"]["MetricDefinitions"]])
+    if "RetryStrategy" in request:
+        trainer = trainer.with_retry_strategy(configs.RetryStrategy(
+            maximum_retry_attempts=request["RetryStrategy"]["MaximumRetryAttempts"]))
+    return trainer
+
+
+def _kw(**values: Any) -> dict[str, Any]:
+    """Keyword arguments without the unset ones (the SDK's models default them themselves)."""
+    return {k: v for k, v in values.items() if v is not None}
 
 
 __all__ = ["PyTorch", "to_model_trainer"]

@@ -91,3 +91,18 @@ def test_to_model_trainer_without_the_sdk_says_how_to_install_it():
     spec = estimator().to_spec()
     with pytest.raises(DtrainError, match=r"pip install 'dtrain\[sagemaker\]'"):
         to_model_trainer(spec)
+
+
+def test_to_model_trainer_with_the_sdk_matches_the_request(moto_aws, monkeypatch):  # noqa: F811
+    """Runs only where the SageMaker SDK v3 is installed (the `sagemaker` extra)."""
+    pytest.importorskip("sagemaker.train")
+    monkeypatch.setenv("SAGEMAKER_VALIDATE_ROLE", "false")  # moto cannot simulate IAM policies
+    from dtrain.spec import JobSpec
+
+    spec = JobSpec.from_file(ROOT / "examples" / "sagemaker-p4d.yaml")
+    trainer = to_model_trainer(spec)
+    assert (trainer.compute.instance_type, trainer.compute.instance_count) == ("ml.p4d.24xlarge", 2)
+    assert trainer.compute.enable_managed_spot_training is True
+    assert trainer.stopping_condition.max_wait_time_in_seconds == 3 * 86400
+    assert trainer.distributed.process_count_per_node == 8
+    assert trainer.hyperparameters["dtrain_distribution"]["sharding_degree"] == 8

@@ -13,19 +13,20 @@ import sys
 import tarfile
 import time
 import zipfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from botocore.exceptions import ClientError
 
 from dtrain.errors import DtrainError
-from dtrain.store import JobStore
 from dtrain.launcher.sagemaker import SageMakerLauncher
 from dtrain.planner import plan
 from dtrain.spec import JobSpec
+from dtrain.store import JobStore
 from dtrain.testing import moto_aws  # noqa: F401  (the fixture under test)
 
-from tests.unit.test_sagemaker_request import EXAMPLE
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sagemaker-p4d.yaml"
 
 BUCKET = "dtrain-test-bucket"
 SECRETS = (".env", "id_rsa", "deploy.pem", ".aws/credentials", "credentials")
@@ -157,7 +158,7 @@ def test_logs_merge_every_host_and_filter_by_host_and_rank(submitted):
 
 
 def test_stop_calls_stop_training_job(submitted):
-    aws, launcher, facts, _ = submitted
+    aws, _, facts, _ = submitted
     client = aws.client("sagemaker")
     calls = []
 
