@@ -2,6 +2,7 @@
 
     python benchmarks/attention_memory.py                      # CPU, the table in the report
     python benchmarks/attention_memory.py --seq-lens 1024 2048 --hidden 512 --heads 8
+    python benchmarks/attention_memory.py --attention-only   # the layer's attention module alone
 
 Each (sequence length, backend) runs in a fresh subprocess, so peak memory is honest on a CPU,
 where torch keeps no allocator statistics: it is the growth of the process's peak RSS
@@ -30,7 +31,7 @@ def _measure(args: argparse.Namespace) -> dict:
     """Child process: one backend, one sequence length."""
     import torch
     from dtrain.runtime.models import used_kernels
-    from dtrain.runtime.models.gpt_neox import GPTNeoXConfig, GPTNeoXLayer
+    from dtrain.runtime.models.gpt_neox import GPTNeoXAttention, GPTNeoXConfig, GPTNeoXLayer
 
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -38,7 +39,13 @@ def _measure(args: argparse.Namespace) -> dict:
         "model_type": "gpt_neox", "hidden_size": args.hidden, "num_hidden_layers": 1,
         "num_attention_heads": args.heads, "vocab_size": 8, "rotary_pct": 0.25,
     })
-    layer = GPTNeoXLayer(config, backend=args.backend).to(device)
+    if args.attention_only:  # separates the kernel's memory from the MLP's activations
+        attention = GPTNeoXAttention(config, backend=args.backend).to(device)
+
+        def layer(x: torch.Tensor) -> torch.Tensor:
+            return attention(x, None)
+    else:
+        layer = GPTNeoXLayer(config, backend=args.backend).to(device)
 
     def step(seq: int) -> None:
         x = torch.randn(1, seq, args.hidden, device=device, requires_grad=True)
@@ -67,6 +74,7 @@ def _run_child(args: argparse.Namespace, backend: str, seq: int) -> dict:
     command = [sys.executable, __file__, "--child", "--backend", backend, "--seq", str(seq),
                "--hidden", str(args.hidden), "--heads", str(args.heads),
                "--repeats", str(args.repeats), "--device", args.device]
+    command += ["--attention-only"] if args.attention_only else []
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         return {"backend": backend, "seq": seq, "error": result.stderr.strip().splitlines()[-1]}
@@ -74,7 +82,8 @@ def _run_child(args: argparse.Namespace, backend: str, seq: int) -> dict:
 
 
 def _print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    print(f"One GPT-NeoX layer, hidden {args.hidden}, {args.heads} heads, batch 1, fp32, "
+    part = "attention module of one GPT-NeoX layer" if args.attention_only else "One GPT-NeoX layer"
+    print(f"{part}, hidden {args.hidden}, {args.heads} heads, batch 1, fp32, "
           f"{args.device}; forward+backward")
     print(f"{'seq':>6} {'backend':>8} {'kernel':>12} {'peak MiB':>10} {'time s':>8} "
           f"{'mem vs eager':>13} {'speed vs eager':>15}")
@@ -100,6 +109,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="measure the layer's attention module without its MLP")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="eager", help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, default=1024, help=argparse.SUPPRESS)
