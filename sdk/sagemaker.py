@@ -139,9 +139,11 @@ class PyTorch:
         record = launcher.submit(request, store=JobStore())
         self.latest_training_job = record.name
         if wait:
-            self._wait(show_logs=bool(logs) and logs != "None")
+            self.wait(logs=bool(logs) and logs != "None")
 
-    def _wait(self, *, show_logs: bool) -> None:
+    def wait(self, *, logs: bool = False) -> None:
+        """Block until the latest job ends; raise with SageMaker's FailureReason unless it completed."""
+        show_logs = logs
         launcher = self._launcher_obj()
         name = self.latest_training_job
         if show_logs:

@@ -217,3 +217,44 @@ def test_runtime_wheel_installs_and_imports_the_contract(tmp_path):
                          env={"PYTHONPATH": str(target)}, capture_output=True, text=True,
                          check=True, cwd=tmp_path)
     assert out.stdout.startswith(str(target))
+
+
+REASON = "AlgorithmError: rank 3 on algo-1 exited with code 1: CUDA out of memory"
+
+
+def answer_describe_as_failed(client, name):
+    """moto completes every job at once: answer DescribeTrainingJob with a failed job instead."""
+    def failed(**_):
+        return SimpleNamespace(status_code=200, headers={}), {
+            "TrainingJobName": name, "TrainingJobStatus": "Failed", "SecondaryStatus": "Failed",
+            "FailureReason": REASON, "ResourceConfig": {"InstanceType": "ml.p4d.24xlarge",
+                                                        "InstanceCount": 2},
+            "SecondaryStatusTransitions": [{"Status": "Starting", "StatusMessage": "Starting"},
+                                           {"Status": "Failed", "StatusMessage": REASON}]}
+
+    client.meta.events.register("before-call.sagemaker.DescribeTrainingJob", failed)
+
+
+def test_failure_reason_reaches_the_store_verbatim(submitted):
+    aws, _, facts, _ = submitted
+    client = aws.client("sagemaker")
+    answer_describe_as_failed(client, facts["job_name"])
+    launcher = SageMakerLauncher(sagemaker_client=client)
+    record = launcher.status(facts["record"], store=JobStore())
+    assert (record.status, record.failure_reason) == ("Failed", REASON)
+    shown = []
+    launcher.wait(facts["job_name"], poll_s=0, on_transition=shown.append)
+    assert shown[-1] == f"{facts['job_name']}: Failed - {REASON}"
+
+
+def test_estimator_fit_raises_the_failure_reason_and_attach_finds_the_job(submitted):
+    from dtrain.sagemaker import PyTorch
+
+    aws, _, facts, _ = submitted
+    attached = PyTorch.attach(facts["job_name"], launcher=SageMakerLauncher(
+        sagemaker_client=aws.client("sagemaker"), stream=io.StringIO()))
+    assert attached.instance_count == 2 and attached.entry_point == "train.py"
+    assert attached.model_data.endswith(f"{facts['job_name']}/output/model.tar.gz")
+    answer_describe_as_failed(aws.client("sagemaker"), facts["job_name"])
+    with pytest.raises(DtrainError, match="CUDA out of memory"):
+        attached.wait()
