@@ -106,10 +106,11 @@ def load_dataset(data: str, ctx: Any) -> TokenDataset:
         return encode_bytes(read_texts([path]))
     if (path / TOKENS_FILE).is_file():
         return TokenDataset.open(path)
-    texts = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".md"))
+    # No token channel: every file is a text document (license folders have no suffixes).
+    texts = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
     if not texts:
-        raise ValueError(f"data {data!r} ({path}) has no {TOKENS_FILE} and no .txt files; "
-                         "tokenize it with `python -m dtrain.runtime.tokenize`")
+        raise ValueError(f"data {data!r} ({path}) has no {TOKENS_FILE} and no text files; "
+                         "add files or tokenize them with `python -m dtrain.runtime.tokenize`")
     return encode_bytes(read_texts(texts))
 
 
