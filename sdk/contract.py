@@ -34,26 +34,16 @@ RECIPE_PACKAGE = "dtrain.runtime.recipes"
 
 # Instance types without accelerators run workers on CPU with gloo.
 CPU_INSTANCE_TYPES = frozenset({"local"})
-# EFA-capable training instance types (without the "ml." prefix); GPUDirect RDMA on the second set.
-# A minimal table so this module stays stdlib-only; the lead's catalog (dtrain.instances) is the
-# authority for everything else about an instance type.
-EFA_INSTANCE_TYPES = frozenset({
-    "p3dn.24xlarge", "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge",
-    "p5en.48xlarge", "g5.48xlarge", "g6.48xlarge", "g6e.48xlarge", "trn1.32xlarge",
-    "trn1n.32xlarge", "trn2.48xlarge",
-})
-RDMA_INSTANCE_TYPES = frozenset({
-    "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge",
-})
-
+# What the runtime assumes for a distribution key the launcher did not send; the same defaults
+# as the JobSpec's Distribution (the runtime's DistributionConfig reads them from here).
 DISTRIBUTION_DEFAULTS: dict[str, Any] = {
-    "sharding_degree": 1,
+    "sharding_degree": "auto",
     "backend": "auto",
     "gradient_accumulation_steps": 1,
-    "mixed_precision": "no",
+    "mixed_precision": "auto",
     "activation_checkpointing": False,
     "hierarchical_allgather": "auto",
-    "attention": "sdpa",
+    "attention": "flash",
 }
 
 
@@ -63,12 +53,17 @@ def bare_instance_type(instance_type: str) -> str:
 
 
 def efa_environment(instance_type: str, network_interface_name: str) -> dict[str, str]:
-    """NCCL/libfabric settings for EFA instance types; empty elsewhere."""
-    bare = bare_instance_type(instance_type)
-    if bare not in EFA_INSTANCE_TYPES:
+    """NCCL/libfabric settings for EFA instance types (per the catalog); empty elsewhere."""
+    from dtrain import instances  # stdlib-only, like this module
+
+    try:
+        facts = instances.get(instance_type)
+    except ValueError:
+        return {}  # a type the catalog does not know: leave NCCL to its defaults
+    if not facts.efa_interfaces:
         return {}
     env = {"FI_PROVIDER": "efa", "NCCL_SOCKET_IFNAME": network_interface_name}
-    if bare in RDMA_INSTANCE_TYPES:
+    if facts.gpudirect_rdma:
         env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     return env
 

@@ -96,12 +96,15 @@ class Plan:
                      and s.hierarchical == self.hierarchical_allgather), None)
 
     def runtime_distribution(self) -> dict[str, Any]:
-        """The resolved distribution the runtime reads (``DTRAIN_DISTRIBUTION``)."""
+        """The resolved distribution the runtime reads (``DTRAIN_DISTRIBUTION``).
+
+        ``backend`` stays the user's choice: the runtime resolves ``auto`` against the devices
+        it finds, and ``auto`` versus ``nccl`` also says whether dtrain's collectives may run.
+        """
         dist = self.spec.distribution
         return {
             "sharding_degree": self.sharding_degree or "auto",
-            "backend": self.backend,
-            "collectives": "nccl" if dist.backend == "nccl" else "dtrain",
+            "backend": dist.backend,
             "gradient_accumulation_steps": dist.gradient_accumulation_steps,
             "mixed_precision": self.mixed_precision,
             "activation_checkpointing": dist.activation_checkpointing,

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dtrain.contract import DISTRIBUTION_DEFAULTS as _DEFAULTS
+
 ENV_VAR = "DTRAIN_DISTRIBUTION"
 _BACKENDS = ("auto", "nccl", "gloo")
 _PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -22,13 +24,13 @@ _ATTENTION = ("flash", "sdpa", "eager")
 class DistributionConfig:
     """What ``distribution`` in the job spec says, as the runtime needs it."""
 
-    sharding_degree: int | str = "auto"
-    backend: str = "auto"
-    gradient_accumulation_steps: int = 1
-    mixed_precision: str = "auto"
-    activation_checkpointing: bool = False
-    hierarchical_allgather: bool | str = "auto"
-    attention: str | None = None
+    sharding_degree: int | str = _DEFAULTS["sharding_degree"]
+    backend: str = _DEFAULTS["backend"]
+    gradient_accumulation_steps: int = _DEFAULTS["gradient_accumulation_steps"]
+    mixed_precision: str = _DEFAULTS["mixed_precision"]
+    activation_checkpointing: bool = _DEFAULTS["activation_checkpointing"]
+    hierarchical_allgather: bool | str = _DEFAULTS["hierarchical_allgather"]
+    attention: str = _DEFAULTS["attention"]
 
     def __post_init__(self) -> None:
         degree = self.sharding_degree
@@ -40,8 +42,7 @@ class DistributionConfig:
             )
         _check_choice("backend", self.backend, _BACKENDS)
         _check_choice("mixed_precision", self.mixed_precision, _PRECISIONS)
-        if self.attention is not None:
-            _check_choice("attention", self.attention, _ATTENTION)
+        _check_choice("attention", self.attention, _ATTENTION)
         steps = self.gradient_accumulation_steps
         if not (isinstance(steps, int) and steps >= 1):
             raise ValueError(
