@@ -61,7 +61,8 @@ class LogReader:
             for page in pages:
                 for stream in page.get("logStreams", []):
                     name = stream["logStreamName"]
-                    if name not in self._cursors and self.filter.stream_matches(name, self.job_name):
+                    wanted = self.filter.stream_matches(name, self.job_name)
+                    if wanted and name not in self._cursors:
                         self._cursors[name] = _StreamCursor(name)
         except Exception as exc:  # the group appears only once the first host starts
             if "ResourceNotFoundException" not in type(exc).__name__ + str(exc):

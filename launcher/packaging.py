@@ -35,7 +35,8 @@ ALWAYS_SKIPPED = (".git", "__pycache__", "*.pyc", ".DS_Store")
 # Never packed, and reported: shipping these would leak credentials into S3 and the container.
 SECRET_PATTERNS = (
     ".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_dsa*", "id_ecdsa*",
-    "id_ed25519*", ".aws", "credentials", "credentials.json", ".netrc", ".pypirc", ".git-credentials",
+    "id_ed25519*", ".aws", "credentials", "credentials.json", ".netrc", ".pypirc",
+    ".git-credentials",
 )
 # Source packages of the runtime wheel: import name -> folder inside the wheel.
 WHEEL_PACKAGES = ("dtrain", "dtrain.launcher", "dtrain.runtime")

@@ -70,7 +70,10 @@ def model_data_uri(plan: Plan, job_name: str) -> str:
 
 
 def checkpoint_s3_uri(plan: Plan, job_name: str) -> str:
-    """The spec's checkpoint URI, else ``{output_path}/{job}/checkpoints`` (spot resumes need S3)."""
+    """The spec's checkpoint URI, else ``{output_path}/{job}/checkpoints``.
+
+    Always set: spot interruptions resume only from checkpoints SageMaker synced to S3.
+    """
     return plan.spec.checkpoint.uri or join_s3(plan.spec.output_path, job_name, "checkpoints")
 
 

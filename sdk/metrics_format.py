@@ -2,7 +2,7 @@
 
 The trainer prints one line per logged step, for example::
 
-    dtrain-metrics step=12 loss=2.345 lr=0.0003 grad_norm=0.9 tokens_per_s=1234 tflops_per_gpu=151.2 mfu=0.48
+    dtrain-metrics step=12 loss=2.345 lr=0.0003 grad_norm=0.9 tokens_per_s=1234 mfu=0.48
 
 ``key=value`` pairs are separated by single spaces, values are plain numbers (Python ``repr`` of
 an int or float, ``nan``/``inf`` allowed), unknown keys are allowed and ignored by SageMaker.

@@ -22,7 +22,8 @@ from dtrain.errors import DtrainError
 # Arguments the SageMaker SDK accepts that have no meaning for dtrain; accepted and ignored.
 _IGNORED = ("sagemaker_session", "checkpoint_local_path", "debugger_hook_config",
             "disable_profiler", "profiler_config", "container_log_level", "code_location",
-            "dependencies", "git_config", "rules", "metric_definitions", "encrypt_inter_container_traffic",
+            "dependencies", "git_config", "rules", "metric_definitions",
+            "encrypt_inter_container_traffic",
             "enable_sagemaker_metrics", "input_mode_channels")
 
 
@@ -142,7 +143,7 @@ class PyTorch:
             self.wait(logs=bool(logs) and logs != "None")
 
     def wait(self, *, logs: bool = False) -> None:
-        """Block until the latest job ends; raise with SageMaker's FailureReason unless it completed."""
+        """Block until the latest job ends; raise with its FailureReason unless it completed."""
         show_logs = logs
         launcher = self._launcher_obj()
         name = self.latest_training_job

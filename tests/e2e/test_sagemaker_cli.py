@@ -52,8 +52,8 @@ def overrides(src: Path, role: str) -> list[str]:
 def submitted(moto_aws, tmp_path):  # noqa: F811
     moto_aws.s3.create_bucket(Bucket=BUCKET)
     src = source_with_secrets(tmp_path)
-    done = dtrain("submit", "--target", "sagemaker", str(EXAMPLE), *overrides(src, moto_aws.role_arn),
-                  "--no-wait", "-o", "json")
+    done = dtrain("submit", "--target", "sagemaker", str(EXAMPLE),
+                  *overrides(src, moto_aws.role_arn), "--no-wait", "-o", "json")
     return moto_aws, json.loads(done.stdout), done.stderr
 
 

@@ -26,8 +26,8 @@ def tree(root, files):
 
 
 def test_ignore_files_follow_gitignore_rules(tmp_path):
-    src = tree(tmp_path / "src", ["train.py", "a/keep.log", "a/b.log", "build/x.py", "lib/build/y.py",
-                                  "docs/build/z.py", "cache.pyc", ".git/HEAD"])
+    src = tree(tmp_path / "src", ["train.py", "a/keep.log", "a/b.log", "build/x.py",
+                                  "lib/build/y.py", "docs/build/z.py", "cache.pyc", ".git/HEAD"])
     (src / ".gitignore").write_text("# comment\n*.log\n!a/keep.log\n/build/\n")
     (src / ".dtrainignore").write_text("docs/\n")
     files, secrets = packaging.list_source_files(src)
