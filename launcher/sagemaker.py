@@ -244,6 +244,8 @@ class SageMakerLauncher(Launcher):
                 for t in described.get("SecondaryStatusTransitions", [])
             ],
             "billable_seconds": described.get("BillableTimeInSeconds"),
+            "started_at": _epoch(described.get("TrainingStartTime")),
+            "ended_at": _epoch(described.get("TrainingEndTime")),
         }
 
     def wait(self, job: Any, *, poll_s: float = DEFAULT_POLL_S,
@@ -285,8 +287,10 @@ class SageMakerLauncher(Launcher):
         fields: dict[str, Any] = {}
         if current["failure_reason"]:
             fields["failure_reason"] = current["failure_reason"]  # verbatim, as SageMaker says
+        if current["started_at"] and not record.started_at:
+            fields["started_at"] = current["started_at"]
         if current["state"] in TERMINAL_STATES:
-            fields["ended_at"] = time.time()
+            fields["ended_at"] = current["ended_at"] or time.time()
         return store.update(record.id, status=store_status(current), **fields, target_data={
             "secondary_status": current["secondary_status"],
             "transitions": current["transitions"], "model_data": current["model_data"]})
@@ -306,6 +310,13 @@ class SageMakerLauncher(Launcher):
             return None
         store = store if store is not None else JobStore()
         return record if record.is_final else store.update(record.id, status=STOPPING)
+
+
+def _epoch(value: Any) -> float | None:
+    """botocore's datetime (or moto's epoch number) as epoch seconds."""
+    if value is None:
+        return None
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
 
 
 # SecondaryStatus values before the training container runs.

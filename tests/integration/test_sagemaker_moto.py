@@ -126,7 +126,7 @@ def test_status_wait_and_model_data_of_a_finished_job(submitted):
 def test_status_refreshes_the_store_record(submitted):
     _, launcher, facts, _ = submitted
     record = launcher.status(facts["record"], store=JobStore())
-    assert record.status == "Completed" and record.ended_at
+    assert record.status == "Completed" and record.ended_at >= record.started_at > 0
     assert record.target_data["model_data"].endswith("/output/model.tar.gz")
     assert record.target_data["secondary_status"] == "Completed"
 
