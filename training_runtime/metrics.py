@@ -137,7 +137,11 @@ def throughput_metrics(
 
 
 def comm_metrics(snapshot: dict[str, dict[str, float]], *, steps: int) -> dict[str, float]:
-    """This rank's collective bytes per optimizer step, from ``ctx.comm_stats.snapshot()``."""
+    """This rank's collective bytes per optimizer step, from ``ctx.comm_stats.snapshot()``.
+
+    Calls include the Trainer's own: one 4-byte all-reduce per step (the stop flag) and one per
+    logged step (loss and token sums); their bytes are negligible.
+    """
     total = snapshot.get("total", {})
     steps = max(steps, 1)
     return {"comm_intra_bytes_per_step": total.get("intra_bytes", 0.0) / steps,

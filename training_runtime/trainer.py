@@ -92,13 +92,17 @@ class Trainer:
         optimizer: torch.optim.Optimizer | None = None, flops_per_token: float = 0.0,
         checkpoint_dir: str | Path | None = None, model_dir: str | Path | None = None,
         output_dir: str | Path | None = None, stop: StopFlag | None = None,
+        loss_scaling: bool | None = None,
     ) -> None:
+        """``loss_scaling`` defaults to on when the context's mixed precision is fp16."""
         self.model, self.ctx, self.loss_fn, self.config = model, ctx, loss_fn, config
         self.optimizer = optimizer or build_optimizer(
             model, lr=config.lr, weight_decay=config.weight_decay)
         self.schedule = WarmupCosine(config.lr, config.steps, warmup_steps=config.warmup_steps,
                                      min_lr_ratio=config.min_lr_ratio)
-        self.scaler = DynamicLossScaler(enabled=ctx.config.mixed_precision == "fp16")
+        if loss_scaling is None:
+            loss_scaling = ctx.config.mixed_precision == "fp16"
+        self.scaler = DynamicLossScaler(enabled=loss_scaling)
         self.accumulation = config.gradient_accumulation_steps or ctx.gradient_accumulation_steps
         self.flops_per_token = flops_per_token
         self.checkpoint_dir = Path(checkpoint_dir or ctx.checkpoint_dir)

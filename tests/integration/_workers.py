@@ -83,6 +83,8 @@ def final_weights(job: Path) -> dict[str, torch.Tensor]:
     return load_file(job / "model" / "model.safetensors")
 
 
-def losses(job: Path) -> list[float]:
-    lines = (job / "output" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+def records(job: Path) -> dict[str, list[float]]:
+    """metrics.jsonl as columns: {"loss": [...], "grad_norm": [...], ...}."""
+    rows = [json.loads(line) for line in
+            (job / "output" / "metrics.jsonl").read_text().splitlines()]
+    return {key: [row[key] for row in rows] for key in rows[0]}
