@@ -51,6 +51,8 @@ def test_causal_lm_trains_and_reports_metrics_and_a_loadable_model(job, capsys):
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5
     assert all(m["tokens_per_s"] > 0 and 0 < m["mfu"] < 1 for m in metrics)
     assert [r["step"] for r in _records(job / "output")] == [4, 8, 12, 16]
+    tokenizer = json.loads((job / "model" / "dtrain_tokenizer.json").read_text())
+    assert tokenizer["tokenizer"]["type"] == "byte"
     model = load_pretrained(job / "model")
     assert model(torch.zeros(1, 8, dtype=torch.long)).shape == (1, 8, 512)
 

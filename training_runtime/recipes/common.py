@@ -26,6 +26,7 @@ CHECKPOINT_INTERVAL_ENV = "DTRAIN_CHECKPOINT_INTERVAL_STEPS"
 # Models up to this size are initialised whole on the CPU before sharding, so the weights do
 # not depend on the world size (same seed, same model); bigger ones are built on the meta device.
 CPU_INIT_MAX_PARAMETERS = 1_000_000_000
+TOKENIZER_INFO = "dtrain_tokenizer.json"
 
 
 def parse_bool(value: str | bool) -> bool:
@@ -135,6 +136,12 @@ def check_vocab(model: nn.Module, dataset: TokenDataset) -> int:
     return vocab
 
 
+def save_tokenizer_info(dataset: TokenDataset, model_dir: Path) -> None:
+    """Next to the HF weights, how token ids map to text (byte-level: ids < 256 are bytes)."""
+    info = {"vocab_size": dataset.vocab_size, "tokenizer": dataset.meta.get("tokenizer", {})}
+    (Path(model_dir) / TOKENIZER_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+
 def run_recipe(args: argparse.Namespace, *,
                make_loss_fn: Callable[[argparse.Namespace, TokenDataset], Any],
                window: int) -> int:
@@ -167,6 +174,8 @@ def run_recipe(args: argparse.Namespace, *,
         loss_fn = make_loss_fn(args, dataset)
         trainer = Trainer(model, ctx, loss_fn, config=config, flops_per_token=flops)
         result = trainer.fit(loader)
+        if ctx.is_main and not result.preempted:
+            save_tokenizer_info(dataset, ctx.model_dir)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
