@@ -4,8 +4,10 @@
 # (source archive, runtime wheel, this script); we unpack the code where the contract expects it,
 # install the runtime wheel offline (so network isolation is fine), then hand over to the agent.
 set -eu
-DATA=/opt/ml/input/data
-CODE_DIR=/opt/ml/code
+# DTRAIN_ROOT moves the whole tree (tests run this script outside a container).
+ROOT=${DTRAIN_ROOT:-/opt/ml}
+DATA=$ROOT/input/data
+CODE_DIR=$ROOT/code
 PYTHON=$(command -v python || command -v python3)
 
 mkdir -p "$CODE_DIR"
