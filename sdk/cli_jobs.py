@@ -70,6 +70,30 @@ def _finish(record: Any, output: str) -> None:
                           f"{_first_line(record.failure_reason) or 'see `dtrain logs ' + record.id + '`'}")
 
 
+def _dry_run(spec: Any, output: str) -> None:
+    """The resolved plan, then the exact request the target's backend would send."""
+    from dtrain import jobs
+    from dtrain.planner import plan
+
+    resolved = plan(spec)
+    request = jobs.build_request(spec)
+    if output == "json":
+        echo_json({"plan": resolved.to_dict(), "request": request})
+        return
+    from dtrain.plan_report import render_plan
+
+    click.echo(render_plan(resolved))
+    click.echo(f"\nrequest ({spec.compute.target}):")
+    echo_json(request)
+
+
+def _print_transition(record: Any) -> None:
+    """Status changes while waiting; cloud targets also report a finer secondary status."""
+    secondary = (record.target_data or {}).get("secondary_status")
+    if record.target != "local" and not record.is_final:
+        click.echo(f"status: {record.status}" + (f" ({secondary})" if secondary else ""))
+
+
 @click.command()
 @spec_options
 @click.option("--wait/--no-wait", default=True, show_default=True,
@@ -84,7 +108,7 @@ def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait:
 
     spec = load_spec(spec_path, overrides, target)
     if dry_run:
-        echo_json(jobs.submit(spec, dry_run=True))
+        _dry_run(spec, output)
         return
     record = jobs.submit(spec, wait=False)
     if output != "json":
@@ -99,7 +123,8 @@ def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait:
         if output == "json":
             echo_json(record.to_dict())
         return
-    _finish(jobs.wait_for(record.id), output)
+    _finish(jobs.wait_for(record.id, on_status=None if output == "json" else _print_transition),
+            output)
 
 
 @click.command("list")

@@ -425,7 +425,9 @@ def read_contract(root: str | None = None, *, num_gpus: int | None = None) -> Co
         hyperparameters={k: v for k, v in raw.items()
                          if k not in reserved and not k.startswith("sagemaker_")},
         settings=settings,
-        channels={c: paths.channel_dir(c) for c in sorted(input_data)},
+        # dtrain_* channels carry dtrain's code and runtime, not the script's data
+        channels={c: paths.channel_dir(c) for c in sorted(input_data)
+                  if not c.startswith(RESERVED_PREFIX)},
         input_data_config=input_data,
         resource_config=resource,
         checkpoint_config=_read_json(paths.checkpoint_config_file, {}),

@@ -61,6 +61,30 @@ class Estimator:
             data["inputs"] = {DEFAULT_CHANNEL: inputs} if isinstance(inputs, str) else dict(inputs)
         return JobSpec.from_dict(data)
 
+    @classmethod
+    def attach(cls, job: str, *, clients: dict[str, Any] | None = None) -> Estimator:
+        """An Estimator for a job already submitted (id, id prefix or name), from the store."""
+        from dtrain import jobs
+
+        record = jobs.get(job, clients=clients)
+        spec = record.spec or {}
+        estimator = cls(entry_point=spec.get("entry_point", "unknown"), clients=clients)
+        estimator.spec_data = {**estimator.spec_data, **spec}
+        estimator.latest_job = record
+        return estimator
+
+    @property
+    def model_data(self) -> str | None:
+        """Where the finished job's model artifacts are (S3 URI or local folder)."""
+        from dtrain import jobs
+        from dtrain.errors import DtrainError
+
+        if self.latest_job is None:
+            raise DtrainError("model_data: this estimator has no job yet; call fit() or attach()")
+        record = jobs.get(self.latest_job.id, clients=self.clients)
+        self.latest_job = record
+        return (record.target_data or {}).get("model_data") or record.output_location
+
     def fit(self, inputs: str | dict[str, str] | None = None, *, wait: bool = True,
             follow: bool = False) -> JobRecord:
         """Submit the job; with ``wait`` return once it ended (check ``.status``)."""

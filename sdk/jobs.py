@@ -89,7 +89,10 @@ def stop(job: str, *, wait: bool = False, store: JobStore | None = None,
 def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any] | None = None,
              timeout_s: float | None = None, poll_s: float = POLL_S,
              on_status: Callable[[JobRecord], None] | None = None) -> JobRecord:
-    """Poll until the job reaches Completed, Failed or Stopped; returns the final record."""
+    """Poll until the job reaches Completed, Failed or Stopped; returns the final record.
+
+    ``on_status`` is called whenever the status or the target's secondary status changes.
+    """
     store = store or JobStore()
     record = store.find(job)
     launcher = _launcher(record.target, clients)
@@ -97,9 +100,10 @@ def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any]
     last = None
     while True:
         record = launcher.status(store.get(record.id), store=store)
-        if on_status and record.status != last:
+        seen = (record.status, (record.target_data or {}).get("secondary_status"))
+        if on_status and seen != last:
             on_status(record)
-        last = record.status
+        last = seen
         if record.is_final:
             return record
         if deadline is not None and time.monotonic() > deadline:

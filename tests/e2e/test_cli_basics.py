@@ -78,3 +78,13 @@ def test_schema_is_json_schema_of_the_jobspec():
 def test_instances_lists_the_catalog_with_price_date():
     out = dtrain("instances").stdout
     assert "p4d.24xlarge" in out and "as of" in out
+
+
+def test_submit_dry_run_prints_the_plan_then_the_request(spec_file):
+    result = dtrain("submit", str(spec_file), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    plan_at = result.stdout.index("mesh replicate × shard")
+    request_at = result.stdout.index("request (local):")
+    assert plan_at < request_at
+    data = json.loads(dtrain("submit", str(spec_file), "--dry-run", "-o", "json").stdout)
+    assert set(data) == {"plan", "request"} and data["plan"]["world_size"] == 1

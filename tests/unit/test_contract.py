@@ -129,3 +129,11 @@ def test_contract_module_imports_only_the_standard_library():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dtrain_channels_are_not_the_scripts_input_channels(tmp_path):
+    write(tmp_path, channels=["train", "dtrain_code"])
+    contract = c.read_contract(str(tmp_path), num_gpus=0)
+    assert sorted(contract.channels) == ["train"]
+    env = contract.sm_environment()
+    assert json.loads(env["SM_CHANNELS"]) == ["train"] and "SM_CHANNEL_DTRAIN_CODE" not in env

@@ -1,0 +1,29 @@
+"""Estimator.attach finds a submitted job again; model_data says where its model went."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dtrain.errors import DtrainError
+from dtrain.estimator import Estimator
+
+SCRIPT = """import os, pathlib
+pathlib.Path(os.environ["SM_MODEL_DIR"], "model.txt").write_text("trained")
+"""
+
+
+def test_attach_and_model_data_of_a_finished_local_job(tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    est = Estimator(entry_point="train.py", source_dir=str(tmp_path), name="attach-me",
+                    output_path=str(tmp_path / "out"))
+    with pytest.raises(DtrainError, match="no job yet"):
+        _ = est.model_data
+    record = est.fit(wait=True)
+    assert record.status == "Completed", record.failure_reason
+
+    attached = Estimator.attach("attach-me")
+    assert attached.latest_job.id == record.id
+    assert attached.spec().entry_point == "train.py"
+    model_root = Path(attached.model_data)
+    assert any(p.read_text() == "trained" for p in model_root.rglob("model.txt"))
