@@ -52,6 +52,22 @@ class Launcher(ABC):
         """Ask the job to stop; returns the record (Stopping or already final)."""
 
 
+def runtime_settings(plan: Plan, *, job_name: str, instance_type: str,
+                     processes_per_host: int | None, source_dir: str | None = None):
+    """The reserved ``dtrain_*`` settings every backend writes into the container contract."""
+    from dtrain import contract
+
+    spec = plan.spec
+    return contract.Settings(
+        entry_point=spec.entry_point, job_name=job_name, instance_type=instance_type,
+        source_dir=source_dir, distribution=plan.runtime_distribution(),
+        processes_per_host=processes_per_host, max_restarts=spec.compute.max_restarts,
+        max_run=int(spec.compute.max_run),
+        checkpoint_interval_steps=spec.checkpoint.interval_steps,
+        checkpoint_keep_last=spec.checkpoint.keep_last,
+    )
+
+
 # Map the cloud backends' own state names onto the store's.
 _STATE_NAMES = {"InProgress": "Running", "Pending": "Pending", "Starting": "Starting",
                 "Running": "Running", "Completed": "Completed", "Failed": "Failed",

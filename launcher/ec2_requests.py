@@ -22,11 +22,13 @@ where 31 extra IP addresses per node would be wasted (``efa-only`` has no IP add
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from dtrain import __version__
 from dtrain.errors import SpecError
+from dtrain.launcher.base import runtime_settings
 
 if TYPE_CHECKING:
     from dtrain.planner import Plan
@@ -278,13 +280,8 @@ def node_config(plan: Plan, job: str) -> dict[str, Any]:
         "region": spec.ec2.region,
         "max_run": spec.compute.max_run,
         "source": None if spec.is_recipe else f"{prefix}/source/{SOURCE_ARCHIVE}",
-        "settings": {
-            "entry_point": spec.entry_point, "job_name": job,
-            "instance_type": plan.instance.name,
-            "distribution": plan.runtime_distribution(),
-            "processes_per_host": plan.processes_per_node,
-            "max_restarts": spec.compute.max_restarts, "max_run": spec.compute.max_run,
-        },
+        "settings": asdict(runtime_settings(plan, job_name=job, instance_type=plan.instance.name,
+                                            processes_per_host=plan.processes_per_node)),
         "hyperparameters": spec.hyperparameters,
         "channels": dict(spec.inputs),
         "checkpoint_uri": spec.checkpoint.uri or f"{prefix}/checkpoints",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtrain import contract
 from dtrain.errors import DtrainError
-from dtrain.launcher.base import Launcher
+from dtrain.launcher.base import Launcher, runtime_settings
 from dtrain.store import FAILED, PENDING, STOPPED, STOPPING, JobRecord, JobStore, dtrain_home
 
 if TYPE_CHECKING:
@@ -66,11 +66,9 @@ class LocalLauncher(Launcher):
         per_host = compute.processes_per_instance
         if per_host is None and compute.instance_type == "local":
             per_host = plan.processes_per_node
-        settings = contract.Settings(
-            entry_point=spec.entry_point, job_name=job_name_for(spec),
-            instance_type=compute.instance_type, source_dir=spec.source_dir,
-            distribution=plan.runtime_distribution(), processes_per_host=per_host,
-            max_restarts=compute.max_restarts, max_run=int(compute.max_run))
+        settings = runtime_settings(plan, job_name=job_name_for(spec),
+                                    instance_type=compute.instance_type,
+                                    processes_per_host=per_host, source_dir=spec.source_dir)
         return {
             "target": "local",
             "job_name": settings.job_name,
@@ -119,6 +117,8 @@ class LocalLauncher(Launcher):
                 host_root(job_dir, host), current_host=host, hosts=request["hosts"],
                 settings=settings, hyperparameters=request["hyperparameters"],
                 channels=sorted(staged), checkpoint_s3_uri=request.get("checkpoint_uri"),
+                # one folder for all simulated hosts: DCP writes each shard once, from one host
+                checkpoint_local_path=os.path.join(job_dir, "checkpoints"),
                 network_interface_name="lo")
             for channel, source in staged.items():
                 target = paths.channel_dir(channel)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtrain import __version__, contract, metrics_format
 from dtrain.errors import DtrainError
+from dtrain.launcher.base import runtime_settings
 from dtrain.launcher.packaging import SOURCE_ARCHIVE, join_s3
 
 if TYPE_CHECKING:
@@ -124,15 +125,8 @@ def build_hyperparameters(plan: Plan, *, job_name: str,
                           region: str | None = None) -> dict[str, str]:
     """User hyperparameters + ``sagemaker_*`` + ``dtrain_*`` keys, each JSON-encoded."""
     spec = plan.spec
-    settings = contract.Settings(
-        entry_point=spec.entry_point,
-        job_name=job_name,
-        instance_type=instance_type_name(plan),
-        distribution=plan.runtime_distribution(),
-        processes_per_host=plan.processes_per_node,
-        max_restarts=spec.compute.max_restarts,
-        max_run=spec.compute.max_run,
-    )
+    settings = runtime_settings(plan, job_name=job_name, instance_type=instance_type_name(plan),
+                                processes_per_host=plan.processes_per_node)
     framework = {"sagemaker_program": spec.entry_point, "sagemaker_job_name": job_name,
                  "sagemaker_container_log_level": 20}
     if spec.source_dir and not spec.is_recipe:
@@ -141,12 +135,7 @@ def build_hyperparameters(plan: Plan, *, job_name: str,
             else join_s3(source_prefix(plan, job_name), SOURCE_ARCHIVE))
     if region:
         framework["sagemaker_region"] = region
-    # The trainer's checkpoint cadence travels with the other reserved settings.
-    checkpointing = {f"{contract.RESERVED_PREFIX}checkpoint_interval_steps":
-                     spec.checkpoint.interval_steps,
-                     f"{contract.RESERVED_PREFIX}checkpoint_keep_last": spec.checkpoint.keep_last}
-    values = {**spec.hyperparameters, **framework, **settings.to_hyperparameters(),
-              **checkpointing}
+    values = {**spec.hyperparameters, **framework, **settings.to_hyperparameters()}
     encoded = contract.encode_hyperparameters(dict(sorted(values.items())))
     for key, value in encoded.items():
         if len(value) > MAX_HP_VALUE:

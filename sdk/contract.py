@@ -164,6 +164,8 @@ class Settings:
     processes_per_host: int | None = None
     max_restarts: int = 0
     max_run: int | None = None
+    checkpoint_interval_steps: int = 0  # 0: only at the end and on SIGTERM
+    checkpoint_keep_last: int = 2
 
     def to_hyperparameters(self) -> dict[str, Any]:
         values = {
@@ -171,7 +173,8 @@ class Settings:
             "instance_type": self.instance_type, "source_dir": self.source_dir,
             "distribution": resolve_distribution(self.distribution),
             "processes_per_host": self.processes_per_host, "max_restarts": self.max_restarts,
-            "max_run": self.max_run,
+            "max_run": self.max_run, "checkpoint_interval_steps": self.checkpoint_interval_steps,
+            "checkpoint_keep_last": self.checkpoint_keep_last,
         }
         return {RESERVED_PREFIX + k: v for k, v in values.items() if v is not None}
 
@@ -186,7 +189,8 @@ class Settings:
         known = {f for f in cls.__dataclass_fields__}
         kwargs = {k: v for k, v in values.items() if k in known}
         kwargs["distribution"] = resolve_distribution(kwargs.get("distribution") or {})
-        for key in ("processes_per_host", "max_restarts", "max_run"):
+        for key in ("processes_per_host", "max_restarts", "max_run", "checkpoint_interval_steps",
+                    "checkpoint_keep_last"):
             if kwargs.get(key) is not None:
                 kwargs[key] = int(kwargs[key])
         return cls(**kwargs)
@@ -231,9 +235,14 @@ def write_host_contract(
     hyperparameters: Mapping[str, Any] | None = None,
     channels: list[str] = (),
     checkpoint_s3_uri: str | None = None,
+    checkpoint_local_path: str | None = None,
     network_interface_name: str = "eth0",
 ) -> Paths:
-    """Write one host's config files and folders under ``root``; returns its paths."""
+    """Write one host's config files and folders under ``root``; returns its paths.
+
+    ``checkpoint_local_path`` replaces the host's own ``checkpoints/`` folder, e.g. with one
+    folder every simulated host shares (a sharded checkpoint is written by all hosts together).
+    """
     user_hps = dict(hyperparameters or {})
     clash = sorted(k for k in user_hps if k.startswith(RESERVED_PREFIX))
     if clash:
@@ -257,7 +266,7 @@ def write_host_contract(
         c: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated",
             "RecordWrapperType": "None"} for c in channels
     })
-    checkpoint = {"LocalPath": paths.checkpoints_dir}
+    checkpoint = {"LocalPath": checkpoint_local_path or paths.checkpoints_dir}
     if checkpoint_s3_uri:
         checkpoint["S3Uri"] = checkpoint_s3_uri
     _write_json(paths.checkpoint_config_file, checkpoint)

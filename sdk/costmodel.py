@@ -126,13 +126,23 @@ def hierarchical_allgather(size_bytes: float, *, ranks: int, nodes: int, per_nod
     return Traffic(intra, inter, seconds, 2)
 
 
+def flops_per_token(*, num_parameters: int, num_layers: int, hidden_size: int, seq_len: int,
+                    activation_checkpointing: bool = False) -> float:
+    """Training FLOPs per token: 6·N + 12·L·h·s, ×4/3 with activation checkpointing.
+
+    The runtime's MFU uses the same function, so planned and measured MFU mean the same thing.
+    """
+    flops = 6 * num_parameters + 12 * num_layers * hidden_size * seq_len
+    return flops * 4 / 3 if activation_checkpointing else float(flops)
+
+
 def compute_seconds(work: Workload, cluster: Cluster) -> float:
     """Seconds of one micro-batch's forward + backward on one GPU."""
     tokens = work.seq_len * work.micro_batch_size
-    flops = tokens * (6 * work.num_parameters + 12 * work.num_layers * work.hidden_size
-                      * work.seq_len)
-    if work.activation_checkpointing:
-        flops *= 4 / 3
+    flops = tokens * flops_per_token(
+        num_parameters=work.num_parameters, num_layers=work.num_layers,
+        hidden_size=work.hidden_size, seq_len=work.seq_len,
+        activation_checkpointing=work.activation_checkpointing)
     return flops / (cluster.tflops_per_gpu * 1e12 * cluster.efficiency)
 
 

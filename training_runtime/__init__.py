@@ -28,6 +28,10 @@ _LAZY = {
     "CommStats": "dtrain.runtime.comm_stats",
     "HierarchicalAllGather": "dtrain.runtime.collectives",
     "hierarchical_all_gather": "dtrain.runtime.collectives",
+    "Trainer": "dtrain.runtime.trainer",
+    "TrainerConfig": "dtrain.runtime.trainer",
+    "TokenDataset": "dtrain.runtime.data",
+    "DistributedTokenLoader": "dtrain.runtime.data",
 }
 
 __all__ = list(_LAZY)

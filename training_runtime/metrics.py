@@ -1,7 +1,6 @@
 """Training metrics: throughput, model FLOPs utilisation, memory, communication.
 
-FLOPs per token (the planner's formula, ``dtrain.costmodel.compute_seconds``; a test keeps them
-equal)::
+FLOPs per token (``dtrain.costmodel.flops_per_token``, the planner's own formula)::
 
     6·N + 12·L·h·s        N parameters, L layers, h hidden size, s sequence length
 
@@ -31,19 +30,11 @@ from typing import Any, TextIO
 
 import torch
 from dtrain import instances
+from dtrain.costmodel import flops_per_token
 from dtrain.metrics_format import format_metrics
 
 INSTANCE_TYPE_ENV = "DTRAIN_INSTANCE_TYPE"
 JSONL_NAME = "metrics.jsonl"
-
-
-def flops_per_token(
-    *, num_parameters: int, num_layers: int, hidden_size: int, seq_len: int,
-    activation_checkpointing: bool = False,
-) -> float:
-    """Training FLOPs per token (module docstring)."""
-    flops = 6 * num_parameters + 12 * num_layers * hidden_size * seq_len
-    return flops * 4 / 3 if activation_checkpointing else float(flops)
 
 
 def model_flops_per_token(model: torch.nn.Module, *, seq_len: int,

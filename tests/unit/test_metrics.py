@@ -9,25 +9,23 @@ import math
 
 import pytest
 import torch
-from dtrain import costmodel, instances
+from dtrain import instances
 from dtrain.metrics_format import parse_metrics
 from dtrain.runtime import metrics as m
+from dtrain.runtime.models import from_preset
 from dtrain.runtime.optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
 from dtrain.runtime.schedule import WarmupCosine
 from torch import nn
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_flops_per_token_matches_the_planners_cost_model(checkpointing):
-    work = costmodel.Workload(num_parameters=70_000_000, num_layers=6, hidden_size=512,
-                              seq_len=2048, micro_batch_size=1,
-                              activation_checkpointing=checkpointing)
-    one_tflop = costmodel.Cluster(1, 1, tflops_per_gpu=1.0, intra_gbytes_per_s=1,
-                                  inter_gbits_per_s=1, efficiency=1.0)
-    planner_flops = costmodel.compute_seconds(work, one_tflop) * 1e12 / work.seq_len
-    ours = m.flops_per_token(num_parameters=70_000_000, num_layers=6, hidden_size=512,
-                             seq_len=2048, activation_checkpointing=checkpointing)
-    assert ours == pytest.approx(planner_flops, rel=1e-12)
+@pytest.mark.parametrize("checkpointing, factor", [(False, 1.0), (True, 4 / 3)])
+def test_model_flops_per_token_counts_weights_and_attention(checkpointing, factor):
+    # GPT-NeoX tiny: h=64, L=2, vocab 512, untied head; 6·N + 12·L·h·s per token
+    model = from_preset("gpt-neox-tiny")
+    n = sum(p.numel() for p in model.parameters())
+    expected = (6 * n + 12 * 2 * 64 * 128) * factor
+    assert m.model_flops_per_token(model, seq_len=128,
+                                   activation_checkpointing=checkpointing) == pytest.approx(expected)
 
 
 def test_mfu_uses_the_instance_catalog_peak_or_the_nominal_cpu_figure():
