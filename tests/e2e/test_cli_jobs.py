@@ -100,7 +100,8 @@ def test_invalid_input_exits_2_and_unknown_job_exits_1(tmp_path):
 
 def test_example_local_cpu_job_trains_two_hosts_by_two_processes():
     result = dtrain("submit", str(REPO / "examples/local-cpu.yaml"),
-                    "--set", "hyperparameters.steps=20", timeout=240)
+                    "--set", "hyperparameters.steps=20",
+                    "--set", "hyperparameters.checkpoint_interval=10", timeout=240)
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert progress and "tokens/s" in progress[-1]
     losses = [float(line.split("loss ")[1].split()[0]) for line in progress]
@@ -108,7 +109,9 @@ def test_example_local_cpu_job_trains_two_hosts_by_two_processes():
     record = status_of("local-cpu-lm")
     assert record["status"] == "Completed"
     job_dir = Path(record["target_data"]["job_dir"])
-    assert (job_dir / "algo-1/model/model.pt").exists()
+    model_dir = job_dir / "algo-1/model"  # Hugging Face format, written by the recipe
+    assert (model_dir / "config.json").exists() and (model_dir / "model.safetensors").exists()
+    assert any((job_dir / "checkpoints").glob("step-*/COMPLETE"))  # one folder for both hosts
     for host, ranks in (("algo-1", (0, 1)), ("algo-2", (2, 3))):
         for rank in ranks:
             assert (job_dir / host / f"output/logs/rank-{rank}.stdout.log").exists()

@@ -79,7 +79,8 @@ def test_dry_run_request_is_pure_and_names_every_host(tmp_path):
     first = jobs.submit(spec, dry_run=True)
     assert first == jobs.submit(spec, dry_run=True)
     assert first["hosts"] == ["algo-1", "algo-2", "algo-3"]
-    assert first["settings"]["distribution"]["backend"] == "gloo"
+    # the user's backend choice travels; the runtime resolves "auto" to gloo on CPU
+    assert first["settings"]["distribution"]["backend"] == spec.distribution.backend
     assert JobStore().list() == []
 
 
