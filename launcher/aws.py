@@ -6,7 +6,11 @@ boto3 is imported inside functions so ``import dtrain.launcher.*`` stays cheap.
 from __future__ import annotations
 
 import os
-from typing import Any
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import IO, Any
 
 from dtrain.errors import DtrainError
 
@@ -60,3 +64,28 @@ def as_dtrain_error(exc: BaseException, action: str) -> DtrainError:
     message = " ".join((message or str(exc)).split())
     fix = USER_ERROR_CODES.get(code)
     return DtrainError(f"{action} failed: {code}: {message}" + (f"; {fix}" if fix else ""))
+
+
+class AwsBackend:
+    """What the cloud backends share: boto3 clients (passed in by tests, else made on first use
+    with adaptive retries), the region, where progress goes, and an injectable clock and sleep."""
+
+    def __init__(self, clients: dict[str, Any], *, region: str | None = None,
+                 stream: IO[str] | None = None,
+                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
+                 sleep: Callable[[float], None] = time.sleep):
+        self._clients = dict(clients)
+        self.region = region
+        self.stream = stream
+        self.clock = clock
+        self.sleep = sleep
+        self._plans: dict[str, Any] = {}  # job name -> plan, for submit's uploads
+
+    def client(self, service: str) -> Any:
+        if self._clients.get(service) is None:
+            self._clients[service] = make_client(service, region=self.region)
+        return self._clients[service]
+
+    @property
+    def out(self) -> IO[str]:
+        return self.stream if self.stream is not None else sys.stderr

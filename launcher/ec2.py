@@ -15,7 +15,6 @@ prefix included), nodes write ``{prefix}/status/<host>.json`` and their logs und
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 import uuid
@@ -44,7 +43,7 @@ def needs_confirmation(request: dict[str, Any]) -> bool:
     return cost["max_run_cost"] is None or cost["max_run_cost"] > cost["confirm_above_usd"]
 
 
-class Ec2Launcher:
+class Ec2Launcher(aws.AwsBackend):
     """``build_request`` / ``submit`` / ``status`` / ``logs`` / ``stop`` for ``target: ec2``.
 
     ``assume_yes`` / ``confirm`` are the CLI's hook for the cost check: ``confirm(question)``
@@ -58,23 +57,10 @@ class Ec2Launcher:
                  assume_yes: bool = False, confirm: Callable[[str], bool] | None = None,
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
                  sleep: Callable[[float], None] = time.sleep):
-        self._clients = {"ec2": ec2_client, "s3": s3_client, "ssm": ssm_client}
-        self.region = region
-        self.stream = stream
+        super().__init__({"ec2": ec2_client, "s3": s3_client, "ssm": ssm_client},
+                         region=region, stream=stream, clock=clock, sleep=sleep)
         self.assume_yes = assume_yes
         self.confirm = confirm
-        self.clock = clock
-        self.sleep = sleep
-        self._plans: dict[str, Plan] = {}
-
-    def client(self, service: str) -> Any:
-        if self._clients.get(service) is None:
-            self._clients[service] = aws.make_client(service, region=self.region)
-        return self._clients[service]
-
-    @property
-    def out(self) -> IO[str]:
-        return self.stream if self.stream is not None else sys.stderr
 
     # ---------------------------------------------------------------- request
 

@@ -13,7 +13,6 @@ retries, and ``AWS_ENDPOINT_URL`` points them anywhere, as boto3 defines it.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -77,7 +76,7 @@ def job_name_of(job: Any) -> str:
     return (getattr(job, "target_data", None) or {}).get("training_job_name") or job.name
 
 
-class SageMakerLauncher(Launcher):
+class SageMakerLauncher(Launcher, aws.AwsBackend):
     """``build_request`` / ``submit`` / ``status`` / ``wait`` / ``logs`` / ``stop``.
 
     Lifecycle methods take a store record (``dtrain.store.JobRecord``) or a training job name.
@@ -90,23 +89,9 @@ class SageMakerLauncher(Launcher):
                  stream: IO[str] | None = None,
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
                  sleep: Callable[[float], None] = time.sleep):
-        self._clients = {"sagemaker": sagemaker_client, "s3": s3_client, "logs": logs_client}
-        self.region = region
-        self.stream = stream
-        self.clock = clock
-        self.sleep = sleep
-        self._plans: dict[str, Plan] = {}  # job name -> plan, for submit's uploads
-
-    # ---------------------------------------------------------------- clients
-
-    def client(self, service: str) -> Any:
-        if self._clients.get(service) is None:
-            self._clients[service] = aws.make_client(service, region=self.region)
-        return self._clients[service]
-
-    @property
-    def out(self) -> IO[str]:
-        return self.stream if self.stream is not None else sys.stderr
+        aws.AwsBackend.__init__(
+            self, {"sagemaker": sagemaker_client, "s3": s3_client, "logs": logs_client},
+            region=region, stream=stream, clock=clock, sleep=sleep)
 
     # ---------------------------------------------------------------- request
 
