@@ -87,6 +87,21 @@ def _dry_run(spec: Any, output: str) -> None:
     echo_json(request)
 
 
+def _submit_clients(spec: Any, yes: bool) -> dict[str, Any] | None:
+    """EC2 asks before an expensive launch; the answer comes from --yes or the terminal."""
+    if spec.compute.target != "ec2":
+        return None
+
+    def confirm(question: str) -> bool:
+        try:
+            return click.confirm(question, err=True)
+        except click.Abort:  # no terminal to answer from (CI): the same as "no"
+            click.echo(err=True)
+            return False
+
+    return {"assume_yes": yes, "confirm": confirm}
+
+
 def _print_transition(record: Any) -> None:
     """Status changes while waiting; cloud targets also report a finer secondary status."""
     secondary = (record.target_data or {}).get("secondary_status")
@@ -99,10 +114,14 @@ def _print_transition(record: Any) -> None:
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait for the job to end (and exit 1 unless it completed).")
 @click.option("--follow", "-f", is_flag=True, help="Stream every log line while it runs.")
-@click.option("--dry-run", is_flag=True, help="Print the request that would be sent; run nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and the request that would be sent; "
+              "run nothing.")
+@click.option("--yes", "-y", is_flag=True,
+              help="EC2: launch without asking, even when max_run could cost more than "
+                   "ec2.confirm_above_usd.")
 @OUTPUT_OPTION
 def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait: bool,
-           follow: bool, dry_run: bool, output: str) -> None:
+           follow: bool, dry_run: bool, yes: bool, output: str) -> None:
     """Run a job spec on its target (this machine by default)."""
     from dtrain import jobs
 
@@ -110,7 +129,7 @@ def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait:
     if dry_run:
         _dry_run(spec, output)
         return
-    record = jobs.submit(spec, wait=False)
+    record = jobs.submit(spec, wait=False, clients=_submit_clients(spec, yes))
     if output != "json":
         click.echo(f"submitted {record.id} ({record.name}) · target {record.target} · "
                    f"logs: dtrain logs {record.id}")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +90,15 @@ def test_submit_dry_run_prints_the_plan_then_the_request(spec_file):
     assert plan_at < request_at
     data = json.loads(dtrain("submit", str(spec_file), "--dry-run", "-o", "json").stdout)
     assert set(data) == {"plan", "request"} and data["plan"]["world_size"] == 1
+
+
+def test_expensive_ec2_launch_needs_yes_and_launches_nothing_without_it(tmp_path):
+    spec = str(Path(__file__).parents[2] / "examples" / "ec2-p4d.yaml")
+    # no AWS call may happen before the answer: the endpoint is a closed local port
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
+    result = subprocess.run([sys.executable, "-m", "dtrain.cli", "submit", spec], input="",
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "not launched" in result.stderr and "pass --yes" in result.stderr
+    assert "Traceback" not in result.stderr
