@@ -422,3 +422,9 @@ class JobSpec(_Model):
     def to_dict(self) -> dict[str, Any]:
         """The validated spec as plain JSON-compatible data (round-trips through from_dict)."""
         return self.model_dump(mode="json")
+
+    def to_model_trainer(self) -> Any:
+        """The equivalent ``sagemaker.train.ModelTrainer`` (needs the ``sagemaker`` extra)."""
+        from dtrain.sagemaker import to_model_trainer
+
+        return to_model_trainer(self)
