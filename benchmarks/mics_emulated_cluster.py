@@ -141,8 +141,9 @@ def run_agents(roots: list[str], *, namespaces: tuple[str, ...], devs: list[str]
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             if proc.returncode:
                 failure = Path(root, "output", "failure")
-                why = failure.read_text() if failure.exists() else Path(root, "agent.log").read_text()
-                raise RuntimeError(f"node agent for {root} exited {proc.returncode}:\n{why[-3000:]}")
+                why = (failure if failure.exists() else Path(root, "agent.log")).read_text()
+                raise RuntimeError(
+                    f"node agent for {root} exited {proc.returncode}:\n{why[-3000:]}")
     finally:
         stop_processes(procs)
 
@@ -271,7 +272,11 @@ def lm_loss(model, tokens):
 
 
 def timed_steps(args: argparse.Namespace, model, one_step, *, stats=None) -> dict:
-    """Warm-up, then measured optimizer steps; rank 0 writes the medians."""
+    """Warm-up steps of one micro-batch, then measured optimizer steps; returns the medians.
+
+    Every row (and the compute-only run) uses the same steps: a full window per warm-up step
+    would only add link-bound minutes to the slowest rows without changing what is measured.
+    """
     import torch
     import torch.distributed as dist
 
@@ -280,6 +285,8 @@ def timed_steps(args: argparse.Namespace, model, one_step, *, stats=None) -> dic
     times, veth, stat_bytes = [], [], []
     for step in range(args.warmup + args.steps):
         batches = make_batches(args, vocab, rank=rank, step=step)
+        if step < args.warmup:
+            batches = batches[:1]  # warm-up: connections, allocator, lazy init; not timed
         dist.barrier()
         if stats is not None:
             stats.reset()
@@ -374,6 +381,8 @@ def compute_only_step(args: argparse.Namespace) -> float:
     times = []
     for step in range(args.warmup + args.steps):
         batches = make_batches(args, model.config.vocab_size, rank=0, step=step)
+        if step < args.warmup:
+            batches = batches[:1]
         start = time.perf_counter()
         for batch in batches:
             (lm_loss(model, batch) / len(batches)).backward()
@@ -427,6 +436,7 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     from dtrain import instances, planner
     from dtrain.costmodel import estimate_step
 
+    started = time.monotonic()
     launch = Launcher(args, job_dir)
     loopback = launch.run("loopback", hosts=1)["bytes_per_s"]
     link = loopback / args.ratio
@@ -435,8 +445,9 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}, load average {_load()} at start; "
           f"torch {_torch_version()}; {os.cpu_count()} CPUs")
     print(f"# model {args.model}, fp32, micro-batch {args.micro_batch} x {args.seq_len} tokens "
-          f"per rank, accumulation {'/'.join(map(str, args.accum_steps))}, {args.warmup} warm-up + "
-          f"{args.steps} measured steps (median); 2 hosts x {PER_HOST} workers via the node agent")
+          f"per rank, accumulation {'/'.join(map(str, args.accum_steps))}, "
+          f"{args.warmup} warm-up (1 micro-batch) + {args.steps} measured steps (median) per row; "
+          f"2 hosts x {PER_HOST} workers via the node agent")
     print(f"# loopback gloo {loopback / 1e6:.0f} MB/s; veth tbf {link / 1e6:.1f} MB/s each "
           f"direction (1/{args.ratio:g}); raw gloo over it, 2 ranks, MB/s per direction: "
           f"all-gather {probe['all_gather_Bps'] / 1e6:.1f}, all-reduce "
@@ -477,6 +488,7 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
             if label == "ZeRO-3" and not hier:
                 measured[("zero3_step", accum)] = (res["step_s"], compute)
     report_ratios(args, measured, work, cluster, instances, planner)
+    print(f"# {time.monotonic() - started:.0f} s in all; load average {_load()} at the end")
 
 
 def report_ratios(args, measured, work, cluster, instances, planner) -> None:
@@ -501,7 +513,8 @@ def report_ratios(args, measured, work, cluster, instances, planner) -> None:
     for nodes in P4D_HOSTS:
         c = planner.cluster_for(p4d, nodes=nodes, processes_per_node=p4d.gpus)
         ratios = ", ".join(
-            f"accum {a}: {predicted_ratio(bf16, c, mics=p4d.gpus, zero3=c.world_size, accum=a):.2f}x"
+            f"accum {a}: "
+            f"{predicted_ratio(bf16, c, mics=p4d.gpus, zero3=c.world_size, accum=a):.2f}x"
             for a in args.accum_steps)
         print(f"planner, {nodes} x p4d.24xlarge (bf16, same model and tokens per GPU): "
               f"MiCS (degree {p4d.gpus}) / ZeRO-3 (degree {c.world_size}) = {ratios}")
@@ -524,8 +537,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ratio", type=float, default=12.0, help="loopback bandwidth / link bandwidth")
     p.add_argument("--model", default="gpt-neox-30m", help="a preset from dtrain.presets")
-    p.add_argument("--steps", type=int, default=2, help="measured optimizer steps per row")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured optimizer steps first")
+    p.add_argument("--steps", type=int, default=1, help="measured optimizer steps per row")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured one-micro-batch steps first")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--accum-steps", type=int, nargs="+", default=[1, 4])
