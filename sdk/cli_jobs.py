@@ -216,4 +216,20 @@ def stop(job: str, wait: bool, output: str) -> None:
         click.echo(f"{record.id} {record.name}: {record.status}")
 
 
-COMMANDS = [submit, list_command, status, logs, stop]
+@click.command()
+@click.argument("job")
+@click.option("--output", "output_path", type=click.Path(dir_okay=False, writable=True),
+              default=None, help="File to write (default: JOB-report.html, or JOB-METRIC.svg).")
+@click.option("--format", "fmt", type=click.Choice(["html", "svg"]), default="html",
+              show_default=True, help="html: facts and every chart; svg: one chart.")
+@click.option("--metric", default=None,
+              help="svg: the metric to chart (default loss); html: an extra chart, "
+                   "e.g. grad_norm or lr.")
+def report(job: str, output_path: str | None, fmt: str, metric: str | None) -> None:
+    """Plot a job's loss, tokens/s and MFU against step into an HTML page or an SVG chart."""
+    from dtrain.report import write_report
+
+    click.echo(write_report(job, output=output_path, fmt=fmt, metric=metric))
+
+
+COMMANDS = [submit, list_command, status, logs, stop, report]
