@@ -218,7 +218,7 @@ def stop(job: str, wait: bool, output: str) -> None:
 
 @click.command()
 @click.argument("job")
-@click.option("--output", "output_path", type=click.Path(dir_okay=False, writable=True),
+@click.option("--file", "output_path", type=click.Path(dir_okay=False, writable=True),
               default=None, help="File to write (default: JOB-report.html, or JOB-METRIC.svg).")
 @click.option("--format", "fmt", type=click.Choice(["html", "svg"]), default="html",
               show_default=True, help="html: facts and every chart; svg: one chart.")

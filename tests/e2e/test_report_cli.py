@@ -52,7 +52,7 @@ def test_dtrain_report_on_a_job_without_metrics_is_a_one_line_error(tmp_path):
                                output_location=str(tmp_path / "nothing"),
                                target_data={"job_dir": str(tmp_path / "nothing"),
                                             "hosts": ["algo-1"]}).id
-    result = dtrain("report", job_id, "--output", "r.html", cwd=tmp_path)
+    result = dtrain("report", job_id, "--file", "r.html", cwd=tmp_path)
     assert result.returncode == 1
     assert result.stderr.startswith(f"error: job {job_id} (Running) has no metrics yet")
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
