@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
@@ -34,7 +33,6 @@ print(format_metrics(1, loss=1.5), flush=True)
 
 @pytest.mark.slow
 def test_entry_script_installs_the_wheel_and_runs_the_user_script(tmp_path):
-    pytest.importorskip("torch")
     root, src, env_dir = tmp_path / "opt_ml", tmp_path / "src", tmp_path / "venv"
     code = root / "input" / "data" / "dtrain_code"
     code.mkdir(parents=True)
