@@ -257,9 +257,6 @@ class BertForMaskedLM(HFCompatibleModel):
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.cls(self.encode(input_ids, attention_mask, token_type_ids))
 
-    def hf_config_dict(self) -> dict[str, Any]:
-        return {**super().hf_config_dict(), **self.config.to_hf()}
-
     def from_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Older checkpoints store the decoder bias twice (decoder.bias and bias): keep one.
         state_dict = dict(state_dict)

@@ -135,10 +135,11 @@ class HFCompatibleModel(nn.Module):
                 _init_parameter(module, name, param, std=std)
 
     def hf_config_dict(self) -> dict[str, Any]:
-        """The ``config.json`` content; families add the fields they normalised."""
+        """The ``config.json`` content: the given config, with the fields the family normalised
+        (every family keeps its parsed config as ``self.config``, with ``to_hf()``)."""
         return {**self.hf_config, "model_type": self.model_type,
                 "architectures": [self.hf_architecture],
-                "tie_word_embeddings": self.tie_word_embeddings}
+                "tie_word_embeddings": self.tie_word_embeddings, **self.config.to_hf()}
 
     def from_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Map an HF checkpoint's tensors to our keys (drops known non-weight buffers)."""

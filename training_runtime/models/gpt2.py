@@ -158,9 +158,6 @@ class GPT2LMHeadModel(HFCompatibleModel):
                 ) -> torch.Tensor:
         return self.lm_head(self.transformer(input_ids, attention_mask))
 
-    def hf_config_dict(self) -> dict[str, Any]:
-        return {**super().hf_config_dict(), **self.config.to_hf()}
-
     def from_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return _transpose_conv1d(super().from_hf_state_dict(state_dict))
 

@@ -176,6 +176,3 @@ class GPTNeoForCausalLM(HFCompatibleModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
                 ) -> torch.Tensor:
         return self.lm_head(self.transformer(input_ids, attention_mask))
-
-    def hf_config_dict(self) -> dict[str, Any]:
-        return {**super().hf_config_dict(), **self.config.to_hf()}

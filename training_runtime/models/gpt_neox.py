@@ -172,9 +172,6 @@ class GPTNeoXForCausalLM(HFCompatibleModel):
                 ) -> torch.Tensor:
         return self.lm_head(self.gpt_neox(input_ids, attention_mask))
 
-    def hf_config_dict(self) -> dict[str, Any]:
-        return {**super().hf_config_dict(), **self.config.to_hf()}
-
     def from_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # transformers v4 and the Pythia checkpoints call the output head embed_out
         renamed = {("lm_head.weight" if key == "embed_out.weight" else key): value
