@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -13,26 +14,102 @@ import torch.nn.functional as F
 from dtrain.runtime.models.attention import check_backend
 from torch import nn
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu": F.gelu,
+
+@dataclass(frozen=True)
+class Activation:
+    """An activation with its backward written in terms of the activation's *input*, so a layer
+    can keep that input for backward instead of the (equally large) output; see
+    :func:`activation_then_linear`."""
+
+    name: str
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    # (grad_out, input) -> grad_in, computed in place over grad_out (which the caller owns)
+    backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+# Each backward writes the input gradient over the output gradient it is given (``grad_input=``
+# is the aten out-argument of these element-wise kernels): the caller owns that buffer, and one
+# fewer tokens x intermediate tensor is the point of Activation.
+def _gelu(approximate: str) -> tuple[Callable, Callable]:
+    return (lambda x: F.gelu(x, approximate=approximate),
+            lambda grad, x: torch.ops.aten.gelu_backward.grad_input(
+                grad, x, approximate=approximate, grad_input=grad))
+
+
+def _relu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.threshold_backward.grad_input(grad, x, 0, grad_input=grad)
+
+
+def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=grad)
+
+
+_ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
+    "gelu": _gelu("none"),
     # HF's "gelu_new"/"gelu_fast" are the tanh approximation under other names.
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
+    "gelu_new": _gelu("tanh"),
+    "gelu_fast": _gelu("tanh"),
+    "gelu_pytorch_tanh": _gelu("tanh"),
+    "relu": (F.relu, _relu_backward),
+    "silu": (F.silu, _silu_backward),
+    "swish": (F.silu, _silu_backward),
 }
 
 
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+def activation(name: str) -> Activation:
     """The activation function an HF config names (``hidden_act``/``activation_function``)."""
     try:
-        return _ACTIVATIONS[name]
+        forward, backward = _ACTIVATIONS[name]
     except KeyError:
         raise ValueError(
             f"activation {name!r} is not supported; use one of {', '.join(_ACTIVATIONS)}"
         ) from None
+    return Activation(name, forward, backward)
+
+
+class _ActivationThenLinear(torch.autograd.Function):
+    """``F.linear(act(h), weight, bias)`` that saves ``h`` and recomputes ``act(h)`` in backward.
+
+    The plain composition keeps both ``h`` (for the activation's backward) and ``act(h)`` (for
+    the linear's): two ``tokens x intermediate`` tensors, the largest activations of a
+    transformer layer once attention no longer stores its scores. Keeping one and recomputing
+    an element-wise function costs little time and saves a quarter of a layer's activations.
+    The backward drops the recomputed activation before it computes the input gradient, which
+    it writes over the activation's output gradient: at its peak it holds two such tensors
+    (``h`` and one gradient) where the plain composition holds four.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, act: Activation):
+        ctx.act = act
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(h, weight)
+        return F.linear(act(h), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, weight = ctx.saved_tensors
+        need_h, need_weight, need_bias, _ = ctx.needs_input_grad
+        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_h = grad_weight = grad_bias = None
+        if need_weight:
+            recomputed = ctx.act(h)
+            grad_weight = grad_flat.t() @ recomputed.reshape(-1, h.shape[-1])
+            del recomputed
+        if need_bias and ctx.has_bias:
+            grad_bias = grad_flat.sum(0)
+        if need_h:
+            grad_h = ctx.act.backward(grad_out @ weight, h)
+        return grad_h, grad_weight, grad_bias, None
+
+
+def activation_then_linear(h: torch.Tensor, act: Activation, linear: nn.Linear) -> torch.Tensor:
+    """``linear(act(h))`` -- the second half of every MLP here -- keeping ``h`` but not
+    ``act(h)`` for backward. Same values and gradients as the plain composition."""
+    return _ActivationThenLinear.apply(h, linear.weight, linear.bias, act)
 
 
 def config_value(config: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -72,8 +149,14 @@ def rotary_cos_sin(
 def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool
 ) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dims of ``x`` (batch, heads, seq, head_dim)."""
+    """Rotate the first ``cos.shape[-1]`` dims of ``x`` (batch, seq, heads, head_dim).
+
+    Rotary runs before the heads are moved forward for attention: its output is then laid out
+    (batch, seq, heads, head_dim) in memory, the attention kernels keep that layout, and the
+    attention output reaches the output projection without another copy.
+    """
     rot_dim = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     if interleaved:
         rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), dim=-1).flatten(-2)

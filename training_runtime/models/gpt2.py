@@ -14,7 +14,13 @@ from typing import Any, ClassVar
 
 import torch
 from dtrain.runtime.models.attention import attention
-from dtrain.runtime.models.common import HFCompatibleModel, activation, config_value, require
+from dtrain.runtime.models.common import (
+    HFCompatibleModel,
+    activation,
+    activation_then_linear,
+    config_value,
+    require,
+)
 from torch import nn
 
 # the Conv1D weights of a GPT-2 checkpoint, stored (in_features, out_features)
@@ -105,7 +111,7 @@ class GPT2MLP(nn.Module):
         self.act = activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+        return activation_then_linear(self.c_fc(x), self.act, self.c_proj)
 
 
 class GPT2Block(nn.Module):

@@ -12,7 +12,13 @@ from typing import Any, ClassVar
 
 import torch
 from dtrain.runtime.models.attention import attention
-from dtrain.runtime.models.common import HFCompatibleModel, activation, config_value, require
+from dtrain.runtime.models.common import (
+    HFCompatibleModel,
+    activation,
+    activation_then_linear,
+    config_value,
+    require,
+)
 from torch import nn
 
 ATTENTION_KINDS = ("global", "local")
@@ -124,7 +130,7 @@ class GPTNeoMLP(nn.Module):
         self.act = activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.act(self.c_fc(x)))
+        return activation_then_linear(self.c_fc(x), self.act, self.c_proj)
 
 
 class GPTNeoBlock(nn.Module):

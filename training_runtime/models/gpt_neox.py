@@ -16,6 +16,7 @@ from dtrain.runtime.models.attention import attention
 from dtrain.runtime.models.common import (
     HFCompatibleModel,
     activation,
+    activation_then_linear,
     apply_rotary,
     config_value,
     require,
@@ -97,14 +98,17 @@ class GPTNeoXAttention(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, hidden = x.shape
         qkv = self.query_key_value(x).view(batch, seq, self.num_heads, 3 * self.head_dim)
-        q, k, v = qkv.transpose(1, 2).chunk(3, dim=-1)
+        q, k, v = qkv.chunk(3, dim=-1)  # each (batch, seq, heads, head_dim)
         if self.rotary_dim:
             cos, sin = rotary_cos_sin(seq, self.rotary_dim, base=self.rotary_base,
                                       device=x.device, dtype=x.dtype, interleaved=False)
             q = apply_rotary(q, cos, sin, interleaved=False)
             k = apply_rotary(k, cos, sin, interleaved=False)
-        out = attention(q, k, v, backend=self.backend, causal=True,
-                        key_padding_mask=attention_mask)
+            # q and k are fresh tensors now; a view v would keep the whole fused projection
+            # (3x its size) alive until backward, a copy frees it once attention has run.
+            v = v.contiguous()
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        backend=self.backend, causal=True, key_padding_mask=attention_mask)
         return self.dense(out.transpose(1, 2).reshape(batch, seq, hidden))
 
 
@@ -116,7 +120,7 @@ class GPTNeoXMLP(nn.Module):
         self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+        return activation_then_linear(self.dense_h_to_4h(x), self.act, self.dense_4h_to_h)
 
 
 class GPTNeoXLayer(nn.Module):

@@ -15,6 +15,7 @@ from dtrain.runtime.models.attention import attention
 from dtrain.runtime.models.common import (
     HFCompatibleModel,
     activation,
+    activation_then_linear,
     apply_rotary,
     config_value,
     require,
@@ -91,14 +92,14 @@ class GPTJAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, hidden = x.shape
-        q, k, v = (proj(x).view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        q, k, v = (proj(x).view(batch, seq, self.num_heads, -1)  # (batch, seq, heads, dim)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = rotary_cos_sin(seq, self.rotary_dim, base=ROTARY_BASE, device=x.device,
                                   dtype=x.dtype, interleaved=True)
         q = apply_rotary(q, cos, sin, interleaved=True)
         k = apply_rotary(k, cos, sin, interleaved=True)
-        out = attention(q, k, v, backend=self.backend, causal=True,
-                        key_padding_mask=attention_mask)
+        out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        backend=self.backend, causal=True, key_padding_mask=attention_mask)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
 
@@ -110,7 +111,7 @@ class GPTJMLP(nn.Module):
         self.act = activation(config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.act(self.fc_in(x)))
+        return activation_then_linear(self.fc_in(x), self.act, self.fc_out)
 
 
 class GPTJBlock(nn.Module):
