@@ -25,9 +25,12 @@ _SHAPE_KEYS = {
 }
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_MICRO_BATCH = 1
-# Bytes per token per layer of saved activations in half precision with a fused attention
-# kernel (Korthikanti et al. 2022, eq. 2 without the 5·a·s attention-score term).
-ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 34
+# Bytes per token per layer of saved activations in half precision, as dtrain's layers save them
+# with a flash kernel: 8 hidden-sized tensors (block input, both layer-norm outputs, q, k, v, the
+# attention output, the second residual input) and the MLP's 4h pre-activation, at 2 bytes each.
+# Korthikanti et al. 2022 count 34 for Megatron's layers; the difference is their dropout masks
+# and the activation output, which dtrain's MLPs recompute (tests/unit/test_models_memory.py).
+ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 24
 
 
 @dataclass

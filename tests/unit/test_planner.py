@@ -135,7 +135,7 @@ class TestAutoShardingDegree:
 
     def test_planner_resolves_auto_with_activation_memory(self):
         result = plan(p4d_job(2, "auto", model="gpt-neox-13b"))
-        # states alone would fit at 8 (24.4 GiB) but activations (13.9 GiB) push it to 16
+        # states alone would fit at 8 (24.4 GiB) but activations (9.95 GiB) push it to 16
         assert result.sharding_degree == 16
         assert result.memory.total_gib <= 40 * 0.8
 
