@@ -97,3 +97,19 @@ def test_flash_gpt_neox_layer_keeps_seven_hidden_and_one_intermediate_vector_per
     small = seq * (heads + 2 * 2 + 2 * rotary_dim) * 4
     assert big <= saved_bytes <= big + small
     assert not any(t.shape[-2:] == (seq, seq) for t in saved)
+
+
+@pytest.mark.parametrize(("preset", "head_activations"), [
+    ("gpt-neox-tiny", 0), ("gpt2-tiny", 0), ("gpt-j-tiny", 0), ("gpt-neo-tiny", 0),
+    # BERT's prediction-head transform feeds its activation to a LayerNorm, which needs it
+    ("bert-tiny", 1), ("roberta-tiny", 1),
+])
+def test_no_family_keeps_a_layer_mlp_activation_output(preset, head_activations):
+    from dtrain.runtime.models import from_preset
+
+    model = from_preset(preset)
+    ids = torch.randint(0, 64, (2, 16))
+    _, saved = _saved_activation_bytes(model, lambda: model(ids).sum().backward())
+    activation_outputs = [t for t in saved if t.grad_fn is not None
+                          and t.grad_fn.name().startswith(("Gelu", "Relu", "Silu"))]
+    assert len(activation_outputs) == head_activations

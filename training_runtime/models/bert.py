@@ -14,7 +14,14 @@ from typing import Any, ClassVar
 
 import torch
 from dtrain.runtime.models.attention import attention
-from dtrain.runtime.models.common import HFCompatibleModel, activation, config_value, require
+from dtrain.runtime.models.common import (
+    Activation,
+    HFCompatibleModel,
+    activation,
+    activation_then_linear,
+    config_value,
+    require,
+)
 from torch import nn
 
 
@@ -117,13 +124,16 @@ class BertSelfAttention(nn.Module):
 class BertResidualOutput(nn.Module):
     """dense -> add the residual -> LayerNorm (post-LN), HF's BertSelfOutput/BertOutput."""
 
-    def __init__(self, in_features: int, config: BertConfig) -> None:
+    def __init__(self, in_features: int, config: BertConfig, *,
+                 act: Activation | None = None) -> None:
         super().__init__()
         self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.act = act  # BertOutput applies the intermediate activation (see BertIntermediate)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        out = self.dense(x) if self.act is None else activation_then_linear(x, self.act, self.dense)
+        return self.LayerNorm(out + residual)
 
 
 class BertAttention(nn.Module):
@@ -137,13 +147,15 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    """The MLP's first projection. Its activation is applied by the layer's output module,
+    together with the second projection, so only the pre-activation is kept for backward."""
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))
+        return self.dense(x)
 
 
 class BertLayer(nn.Module):
@@ -151,7 +163,8 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(config, backend=backend)
         self.intermediate = BertIntermediate(config)
-        self.output = BertResidualOutput(config.intermediate_size, config)
+        self.output = BertResidualOutput(config.intermediate_size, config,
+                                         act=activation(config.hidden_act))
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.attention(x, attention_mask)
