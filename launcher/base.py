@@ -68,45 +68,6 @@ def runtime_settings(plan: Plan, *, job_name: str, instance_type: str,
     )
 
 
-# Map the cloud backends' own state names onto the store's.
-_STATE_NAMES = {"InProgress": "Running", "Pending": "Pending", "Starting": "Starting",
-                "Running": "Running", "Completed": "Completed", "Failed": "Failed",
-                "Stopping": "Stopping", "Stopped": "Stopped"}
-
-
-class NamedJobBackend(Launcher):
-    """Adapts a backend whose lifecycle methods take the job name (SageMaker, EC2 as written)."""
-
-    def __init__(self, backend: Any, name: str):
-        self.backend = backend
-        self.name = name
-
-    def build_request(self, plan: Plan) -> dict[str, Any]:
-        return self.backend.build_request(plan)
-
-    def submit(self, request: dict[str, Any], *, store: JobStore) -> JobRecord:
-        facts = self.backend.submit(request, store=store)
-        return store.find(facts["job_name"])
-
-    def status(self, record: JobRecord, *, store: JobStore) -> JobRecord:
-        if record.is_final:
-            return record
-        state = self.backend.status(record.name)
-        status = _STATE_NAMES.get(str(state.get("state")), record.status)
-        return store.update(record.id, status=status,
-                            failure_reason=state.get("failure_reason") or record.failure_reason)
-
-    def logs(self, record: JobRecord, *, follow: bool = False, host: str | None = None,
-             rank: int | None = None) -> Iterator[str]:
-        return self.backend.logs(record.name, follow=follow, host=host, rank=rank)
-
-    def stop(self, record: JobRecord, *, store: JobStore) -> JobRecord:
-        if record.is_final:
-            return record
-        self.backend.stop(record.name)
-        return store.update(record.id, status="Stopping")
-
-
 def get_launcher(name: str, **clients: Any) -> Launcher:
     """The backend for target ``name``; ``clients`` go to its constructor (boto3 clients...)."""
     try:
@@ -117,5 +78,4 @@ def get_launcher(name: str, **clients: Any) -> Launcher:
         backend_class = getattr(import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise DtrainError(f"target {name!r} is not available in this install: {exc}") from None
-    backend = backend_class(**clients)
-    return backend if isinstance(backend, Launcher) else NamedJobBackend(backend, name)
+    return backend_class(**clients)

@@ -7,9 +7,13 @@ the placement and security groups and launches one node at a time. Any failure a
 resource exists — ``InsufficientInstanceCapacity`` on node 2, Ctrl-C, anything — terminates
 every node launched and deletes what was created, then raises one line saying what to try.
 
-``status``/``logs``/``stop`` work from the job name: instances carry the job's tags (its S3
-prefix included), nodes write ``{prefix}/status/<host>.json`` and their logs under
-``{prefix}/logs/<host>/``. ``stop`` terminates every node and deletes the groups dtrain created.
+``submit`` returns the job's store record; ``status``/``logs``/``stop`` take it. Instances carry
+the job's tags (its S3 prefix and launch token included), nodes write
+``{prefix}/status/<host>.json`` and their logs under ``{prefix}/logs/<host>/``. ``stop``
+terminates every node and deletes the groups dtrain created. A job that ends on its own leaves
+nothing behind either: the ``status`` call that sees it end deletes the groups dtrain created for
+it, one try per call (a security group stays in use while the nodes' network interfaces detach),
+and keeps what happened in the record's ``cleanup`` so later calls know whether to try again.
 """
 
 from __future__ import annotations
@@ -26,11 +30,24 @@ from dtrain.errors import DtrainError
 from dtrain.launcher import aws
 from dtrain.launcher import ec2_requests as req
 from dtrain.launcher import ec2_resources as res
+from dtrain.launcher.base import Launcher
+from dtrain.store import (
+    FAILED,
+    FINAL_STATUSES,
+    RUNNING,
+    STARTING,
+    STATUSES,
+    STOPPING,
+    JobRecord,
+    JobStore,
+)
 
 if TYPE_CHECKING:
     from dtrain.planner import Plan
 
 TERMINAL_STATES = ("Completed", "Failed", "Stopped")
+# How long status keeps retrying the removal of an ended job's groups; then `dtrain ec2 gc`.
+CLEANUP_RETRY_S = 3600.0
 CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacityOnHost",
                   "InsufficientReservedInstanceCapacity", "SpotMaxPriceTooLow",
                   "InsufficientCapacity", "ReservationCapacityExceeded")
@@ -43,11 +60,13 @@ def needs_confirmation(request: dict[str, Any]) -> bool:
     return cost["max_run_cost"] is None or cost["max_run_cost"] > cost["confirm_above_usd"]
 
 
-class Ec2Launcher(aws.AwsBackend):
+class Ec2Launcher(Launcher, aws.AwsBackend):
     """``build_request`` / ``submit`` / ``status`` / ``logs`` / ``stop`` for ``target: ec2``.
 
-    ``assume_yes`` / ``confirm`` are the CLI's hook for the cost check: ``confirm(question)``
-    returns True to go ahead; with neither, a job above the threshold is refused.
+    Lifecycle methods take a store record (``dtrain.store.JobRecord``) or a job reference the
+    store can find. ``assume_yes`` / ``confirm`` are the CLI's hook for the cost check:
+    ``confirm(question)`` returns True to go ahead; with neither, a job above the threshold is
+    refused.
     """
 
     name = "ec2"
@@ -57,8 +76,8 @@ class Ec2Launcher(aws.AwsBackend):
                  assume_yes: bool = False, confirm: Callable[[str], bool] | None = None,
                  clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
                  sleep: Callable[[float], None] = time.sleep):
-        super().__init__({"ec2": ec2_client, "s3": s3_client, "ssm": ssm_client},
-                         region=region, stream=stream, clock=clock, sleep=sleep)
+        aws.AwsBackend.__init__(self, {"ec2": ec2_client, "s3": s3_client, "ssm": ssm_client},
+                                region=region, stream=stream, clock=clock, sleep=sleep)
         self.assume_yes = assume_yes
         self.confirm = confirm
 
@@ -87,27 +106,38 @@ class Ec2Launcher(aws.AwsBackend):
         raise DtrainError(f"not launched: {line} is above ec2.confirm_above_usd=${limit:,.2f}; "
                           "pass --yes, raise ec2.confirm_above_usd, or lower compute.max_run")
 
-    def submit(self, request: dict[str, Any], *, store: Any = None,
-               plan: Plan | None = None) -> dict[str, Any]:
-        """Launch the cluster; on any failure leave nothing behind. Returns the job's facts."""
+    def submit(self, request: dict[str, Any], *, store: JobStore | None = None,
+               plan: Plan | None = None) -> JobRecord:
+        """Launch the cluster; on any failure leave nothing behind. Returns the store record.
+
+        The job is in ``store`` (default: the user's job store) from the first upload on, so a
+        failed launch is recorded with its reason too.
+        """
         job = request["job"]
         plan = plan or self._plans.get(job)
         self.check_cost(request)
+        store = store if store is not None else JobStore()
         values = {"launch_token": uuid.uuid4().hex[:16]}
+        prefix = request["prefix"]
+        record = store.create(
+            name=job, target=self.name, spec=plan.spec.to_dict() if plan else {},
+            log_location=f"{prefix}/logs/", output_location=f"{prefix}/model/",
+            target_data={"job_name": job, "region": self.region, "prefix": prefix,
+                         "launch_token": values["launch_token"], "request": request})
         created = res.Created(job=job)
         try:
             values.update(self._lookups(request))
             self._upload_code(plan, request, created)
             facts = self._launch(req.fill_placeholders(request, values), values, created)
         except BaseException as exc:  # noqa: BLE001 - Ctrl-C mid-launch must not leak nodes
-            cleanup = res.rollback(self.client("ec2"), self.client("s3"), created,
-                                   sleep=self.sleep)
-            raise self._launch_error(exc, request, created, cleanup) from None
-        if store is not None:
-            store.add(job_name=job, target=self.name,
-                      spec=plan.spec.to_dict() if plan else None, request=request,
-                      details=facts)
-        return facts
+            left = res.rollback(self.client("ec2"), self.client("s3"), created,
+                                sleep=self.sleep)
+            error = self._launch_error(exc, request, created, left)
+            store.update(record.id, status=FAILED,
+                         failure_reason=str(error) or f"launch interrupted ({type(exc).__name__})",
+                         target_data={"cleanup": self._teardown_cleanup(created, left)})
+            raise error from None
+        return store.update(record.id, status=STARTING, target_data=facts)
 
     def _lookups(self, request: dict[str, Any]) -> dict[str, str]:
         lookups = request["lookups"]
@@ -194,59 +224,157 @@ class Ec2Launcher(aws.AwsBackend):
 
     # ---------------------------------------------------------------- lifecycle
 
-    def describe(self, job_name: str, *, details: dict | None = None) -> dict[str, Any]:
-        """The job's instances (found by tag) and facts from the store, merged."""
-        instances = res.job_instances(self.client("ec2"), job_name)
-        facts = dict(details or {})
+    @staticmethod
+    def _resolve(record: JobRecord | str,
+                 store: JobStore | None) -> tuple[JobStore, JobRecord]:
+        store = store if store is not None else JobStore()
+        return store, store.find(record) if isinstance(record, str) else record
+
+    def describe(self, record: JobRecord) -> dict[str, Any]:
+        """The job's instances (found by its tags) and the facts its record holds, merged."""
+        facts = dict(record.target_data or {})
+        instances = res.job_instances(self.client("ec2"), record.name,
+                                      launch=facts.get("launch_token"))
         if instances:
             tags = res.tag_map(instances[0])
             facts.setdefault("prefix", tags.get(req.TAG_PREFIX))
             facts.setdefault("num_nodes", int(tags.get(req.TAG_NUM_NODES, len(instances))))
         if not facts.get("prefix"):
-            raise DtrainError(f"job {job_name!r}: no EC2 instance or job record found; check "
+            raise DtrainError(f"job {record.name!r}: no EC2 instance or job record found; check "
                               "the name with `dtrain list`")
         facts.setdefault("num_nodes", len(facts.get("instance_ids") or instances) or 1)
         facts["instances"] = instances
         return facts
 
-    def status(self, job_name: str, *, details: dict | None = None) -> dict[str, Any]:
+    def job_status(self, record: JobRecord) -> dict[str, Any]:
         """Job state from instance states plus each node's S3 status object."""
-        facts = self.describe(job_name, details=details)
+        facts = self.describe(record)
         nodes = res.read_status_objects(self.client("s3"), facts["prefix"])
         states = {i["InstanceId"]: i["State"]["Name"] for i in facts["instances"]}
-        return {"job_name": job_name, "target": self.name,
+        return {"job_name": record.name, "target": self.name,
                 **res.job_state(states, nodes, facts["num_nodes"]),
                 "instances": states, "nodes": nodes,
                 "model_data": f"{facts['prefix']}/model/"}
 
-    def logs(self, job_name: str, *, follow: bool = False, host: str | None = None,
-             rank: int | None = None, poll_s: float = 10.0,
-             details: dict | None = None) -> Iterator[str]:
+    def status(self, record: JobRecord | str, *, store: JobStore | None = None) -> JobRecord:
+        """Refresh the record from EC2 and the nodes' status objects.
+
+        The call that sees the job end (Completed, Failed, Stopped) also removes the groups
+        dtrain created for it; while one is still in use, later calls try again.
+        """
+        store, record = self._resolve(record, store)
+        if record.is_final:
+            return self._retry_cleanup(record, store)
+        current = self.job_status(record)
+        status = store_status(current)
+        fields: dict[str, Any] = {}
+        if current["failure_reason"]:
+            fields["failure_reason"] = current["failure_reason"]
+        if status == RUNNING and not record.started_at:
+            fields["started_at"] = self.clock().timestamp()
+        data = {"secondary_status": current.get("secondary_status"),
+                "instances": current["instances"], "model_data": current["model_data"]}
+        if status in FINAL_STATUSES and cleanup_pending(record):
+            data["cleanup"] = self._remove_groups(record)
+        return store.update(record.id, status=status, target_data=data, **fields)
+
+    def logs(self, record: JobRecord | str, *, follow: bool = False, host: str | None = None,
+             rank: int | None = None, poll_s: float = 10.0) -> Iterator[str]:
         """``host: line`` from each node's logs in S3 (uploaded every 30 s while it runs)."""
-        facts = self.describe(job_name, details=details)
+        _, record = self._resolve(record, None)
+        facts = self.describe(record)
         seen: dict[str, int] = {}
         while True:
             yield from res.new_log_lines(self.client("s3"), facts["prefix"], seen,
                                          host=host, rank=rank)
-            if not follow or self.status(job_name, details=details)["state"] in TERMINAL_STATES:
+            if not follow or self.job_status(record)["state"] in TERMINAL_STATES:
                 yield from res.new_log_lines(self.client("s3"), facts["prefix"], seen,
                                              host=host, rank=rank)
                 return
             self.sleep(poll_s)
 
-    def stop(self, job_name: str, *, details: dict | None = None) -> list[str]:
+    def stop(self, record: JobRecord | str, *, store: JobStore | None = None) -> JobRecord:
         """Terminate every node of the job, then delete the groups dtrain created for it."""
+        store, record = self._resolve(record, store)
+        if record.is_final:
+            return self._retry_cleanup(record, store)
         ec2 = self.client("ec2")
-        created = res.Created(job=job_name)
-        created.instances = [i["InstanceId"] for i in res.job_instances(ec2, job_name)
-                             if i["State"]["Name"] not in ("terminated",)]
-        created.security_groups = [g["GroupId"] for g in res.job_security_groups(ec2, job_name)]
-        created.placement_groups = [g["GroupName"] for g in res.job_placement_groups(ec2, job_name)]
+        created = res.job_resources(ec2, record.name,
+                                    launch=record.target_data.get("launch_token"))
         left = res.rollback(ec2, None, created, sleep=self.sleep, keep_uploads=True)
-        self.out.write(f"stopped {job_name}: terminated {len(created.instances)} node(s)"
+        self.out.write(f"stopped {record.name}: terminated {len(created.instances)} node(s)"
                        + (f"; could not remove {', '.join(left)}: run `dtrain ec2 gc`" if left
                           else "") + "\n")
-        return left
+        return store.update(record.id, status=STOPPING,
+                            target_data={"cleanup": self._teardown_cleanup(created, left)})
+
+    # ---------------------------------------------------------------- groups of ended jobs
+
+    def _retry_cleanup(self, record: JobRecord, store: JobStore) -> JobRecord:
+        """An ended job whose groups were still in use last time: one more try."""
+        if not cleanup_pending(record):
+            return record  # removed, or left to `dtrain ec2 gc`: no AWS call
+        return store.update_target_data(record.id, {"cleanup": self._remove_groups(record)})
+
+    def _remove_groups(self, record: JobRecord) -> dict[str, Any]:
+        """Delete the groups dtrain created for an ended job once; say and return the outcome."""
+        try:
+            removal = res.remove_groups(self.client("ec2"), record.name,
+                                        launch=record.target_data.get("launch_token"))
+        except Exception as exc:  # noqa: BLE001 - a failed clean-up must not fail `status`
+            removal = res.Removal(left=[f"the groups of {record.name}"], reason=str(
+                aws.as_dtrain_error(exc, "finding the groups")))
+        return self._cleanup_record(record, removal)
+
+    def _cleanup_record(self, record: JobRecord, removal: res.Removal) -> dict[str, Any]:
+        previous = (record.target_data or {}).get("cleanup") or {}
+        now = self.clock().timestamp()
+        first_try = previous.get("first_try_at", now)
+        removed = [*previous.get("removed", []), *removal.removed]
+        if removal.removed:
+            self.out.write(f"{record.name} ended: removed {', '.join(removal.removed)} "
+                           "(the groups dtrain created for it)\n")
+        if not removal.left:
+            return {"state": "done", "removed": removed}
+        what = ", ".join(removal.left)
+        if removal.retry and now - first_try < CLEANUP_RETRY_S:
+            self.out.write(f"{record.name} ended: {what} not removed yet ({removal.reason}); "
+                           f"`dtrain status {record.id}` tries again, or run `dtrain ec2 gc`\n")
+            state = "pending"
+        else:
+            self.out.write(f"{record.name} ended: could not remove {what} ({removal.reason}); "
+                           "run `dtrain ec2 gc`\n")
+            state = "left-for-gc"
+        return {"state": state, "removed": removed, "left": removal.left,
+                "reason": removal.reason, "first_try_at": first_try,
+                "tries": previous.get("tries", 0) + 1}
+
+    def _teardown_cleanup(self, created: res.Created, left: list[str]) -> dict[str, Any]:
+        """The cleanup entry after a blocking teardown (failed launch, stop)."""
+        groups = created.security_groups + created.placement_groups
+        if not left:
+            return {"state": "done", "removed": groups}
+        return {"state": "pending", "removed": [g for g in groups if g not in left],
+                "left": left, "reason": "still in use after the teardown's retries",
+                "first_try_at": self.clock().timestamp(), "tries": 1}
+
+
+def cleanup_pending(record: JobRecord) -> bool:
+    """True until the groups of the job are removed or left to `dtrain ec2 gc`.
+
+    A record without a ``cleanup`` entry (written before dtrain removed the groups of ended
+    jobs) gets one try too.
+    """
+    cleanup = (record.target_data or {}).get("cleanup")
+    return cleanup is None or cleanup.get("state") == "pending"
+
+
+def store_status(current: dict[str, Any]) -> str | None:
+    """The job state -> the store's status names; None (keep the stored one) when unknown."""
+    state = current["state"]
+    if state == "InProgress":
+        return STARTING if current.get("secondary_status") == "Starting" else RUNNING
+    return state if state in STATUSES else None
 
 
 def dumps(request: dict[str, Any]) -> str:

@@ -3,6 +3,8 @@
 Every function takes its boto3 client(s) as arguments. Teardown is ordered the way EC2 needs it:
 terminate instances, wait until they are gone (a security group stays "in use" while their
 network interfaces exist), then delete the security group and the placement group.
+``remove_groups`` is the non-blocking variant for a job that ended on its own: one try per call,
+and whatever is still in use is reported for the next call instead of waited for.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from dtrain.launcher import ec2_requests as req
 LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
 DELETE_ATTEMPTS = 20
 DELETE_RETRY_S = 15.0
+# EC2's answers while terminated nodes' network interfaces are still detaching: try again later.
+IN_USE_CODES = ("DependencyViolation", "InvalidPlacementGroup.InUse")
+GONE_CODES = ("InvalidGroup.NotFound", "InvalidPlacementGroup.Unknown")
 
 
 @dataclass
@@ -78,28 +83,46 @@ def tag_map(resource: dict[str, Any]) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in resource.get("Tags", [])}
 
 
-def _tag_filters(job: str | None) -> list[dict[str, Any]]:
+def _tag_filters(job: str | None, launch: str | None = None) -> list[dict[str, Any]]:
     filters = [{"Name": f"tag:{req.TAG_CREATED_BY}", "Values": [req.CREATED_BY]}]
     if job is not None:
         filters.append({"Name": f"tag:{req.TAG_JOB}", "Values": [job]})
+    if launch is not None:
+        filters.append({"Name": f"tag:{req.TAG_LAUNCH}", "Values": [launch]})
     return filters
 
 
-def job_instances(ec2: Any, job: str | None) -> list[dict[str, Any]]:
-    """dtrain's instances (of one job, or all), in node-rank order."""
+def job_instances(ec2: Any, job: str | None, *, launch: str | None = None) -> list[dict[str, Any]]:
+    """dtrain's instances (of one job, or all; of one launch of it), in node-rank order."""
     found = []
-    for page in ec2.get_paginator("describe_instances").paginate(Filters=_tag_filters(job)):
+    for page in ec2.get_paginator("describe_instances").paginate(
+            Filters=_tag_filters(job, launch)):
         for reservation in page["Reservations"]:
             found += reservation["Instances"]
     return sorted(found, key=lambda i: int(tag_map(i).get(req.TAG_NODE_RANK, 0)))
 
 
-def job_security_groups(ec2: Any, job: str | None) -> list[dict[str, Any]]:
-    return ec2.describe_security_groups(Filters=_tag_filters(job))["SecurityGroups"]
+def job_security_groups(ec2: Any, job: str | None, *,
+                        launch: str | None = None) -> list[dict[str, Any]]:
+    return ec2.describe_security_groups(Filters=_tag_filters(job, launch))["SecurityGroups"]
 
 
-def job_placement_groups(ec2: Any, job: str | None) -> list[dict[str, Any]]:
-    return ec2.describe_placement_groups(Filters=_tag_filters(job))["PlacementGroups"]
+def job_placement_groups(ec2: Any, job: str | None, *,
+                         launch: str | None = None) -> list[dict[str, Any]]:
+    return ec2.describe_placement_groups(Filters=_tag_filters(job, launch))["PlacementGroups"]
+
+
+def job_resources(ec2: Any, job: str, *, launch: str | None = None) -> Created:
+    """What dtrain created and tagged for a job (one launch of it when ``launch`` is given):
+    its nodes still not terminated, its security group, its placement group. A placement group
+    the user named in ``ec2.placement_group`` carries no dtrain tag, so it is never listed."""
+    found = Created(job=job)
+    found.instances = [i["InstanceId"] for i in job_instances(ec2, job, launch=launch)
+                       if i["State"]["Name"] != "terminated"]
+    found.security_groups = [g["GroupId"] for g in job_security_groups(ec2, job, launch=launch)]
+    found.placement_groups = [g["GroupName"]
+                              for g in job_placement_groups(ec2, job, launch=launch)]
+    return found
 
 
 # ---------------------------------------------------------------- teardown
@@ -131,18 +154,63 @@ def rollback(ec2: Any, s3: Any, created: Created, *, sleep: Callable[[float], No
 def _delete_with_retry(delete: Callable[[], Any], sleep: Callable[[float], None]) -> bool:
     """Network interfaces of terminated nodes linger a little: DependencyViolation is retried."""
     for attempt in range(DELETE_ATTEMPTS):
-        try:
-            delete()
+        error = _delete_once(delete)
+        if error is None:
             return True
-        except Exception as exc:  # noqa: BLE001
-            code = aws.error_code(exc)
-            if code in ("InvalidGroup.NotFound", "InvalidPlacementGroup.Unknown"):
-                return True
-            if code not in ("DependencyViolation", "InvalidPlacementGroup.InUse") \
-                    or attempt == DELETE_ATTEMPTS - 1:
-                return False
-            sleep(DELETE_RETRY_S)
+        if aws.error_code(error) not in IN_USE_CODES or attempt == DELETE_ATTEMPTS - 1:
+            return False
+        sleep(DELETE_RETRY_S)
     return False
+
+
+def _delete_once(delete: Callable[[], Any]) -> BaseException | None:
+    """None once the resource is gone (deleted now or before), else EC2's error."""
+    try:
+        delete()
+    except Exception as exc:  # noqa: BLE001 - the caller decides what each code means
+        return None if aws.error_code(exc) in GONE_CODES else exc
+    return None
+
+
+@dataclass
+class Removal:
+    """One try at removing a finished job's groups: what went, what is left and why."""
+
+    removed: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    reason: str | None = None
+    retry: bool = True  # False: EC2 refused for a reason waiting will not fix
+
+
+def remove_groups(ec2: Any, job: str, *, launch: str | None) -> Removal:
+    """Delete the security and placement groups dtrain created for a job that has ended, once.
+
+    While a node of the launch is not yet terminated its network interfaces hold the security
+    group (and the node the placement group), so nothing is tried then. No waiting, no sleeping:
+    the caller records what is left and tries again on its next call.
+    """
+    found = job_resources(ec2, job, launch=launch)
+    result = Removal()
+    groups = ([(g, lambda g=g: ec2.delete_security_group(GroupId=g))
+               for g in found.security_groups]
+              + [(n, lambda n=n: ec2.delete_placement_group(GroupName=n))
+                 for n in found.placement_groups])
+    if found.instances:
+        result.left = [name for name, _ in groups]
+        result.reason = f"{len(found.instances)} node(s) not terminated yet"
+        return result
+    for name, delete in groups:
+        error = _delete_once(delete)
+        if error is None:
+            result.removed.append(name)
+            continue
+        result.left.append(name)
+        code = aws.error_code(error)
+        result.reason = (f"{name} still in use: {code}" if code in IN_USE_CODES
+                         else str(aws.as_dtrain_error(error, f"deleting {name}")))
+        # waiting fixes "in use" and a lost connection, not e.g. a missing permission
+        result.retry = result.retry and (code in IN_USE_CODES or code is None)
+    return result
 
 
 # ---------------------------------------------------------------- status and logs
@@ -204,22 +272,27 @@ def new_log_lines(s3: Any, prefix: str, seen: dict[str, int], *, host: str | Non
 # ---------------------------------------------------------------- leftovers (`dtrain ec2 gc`)
 
 def find_leftovers(ec2: Any, *, include_running: bool = False) -> Created:
-    """dtrain-tagged resources no complete cluster uses; nothing untagged is ever listed.
+    """dtrain-tagged resources no running cluster uses; nothing untagged is ever listed.
 
-    A launch whose live nodes are fewer than its ``dtrain:num-nodes`` never came up whole (the
-    launcher died mid-way), so its nodes are leftovers; groups are leftovers once no live node
-    of their launch remains. ``include_running`` lists every dtrain node too.
+    Groups are leftovers once no live node of their launch remains: a job that ended on its own,
+    failed or was stopped, whose groups ``status`` could not remove yet. Nodes are leftovers when
+    their launch never came up whole: fewer nodes than its ``dtrain:num-nodes`` were ever
+    launched (the launcher died mid-way). Nodes that already finished count as launched (EC2
+    lists terminated instances for about an hour), so the last node of a finishing job still
+    uploading its results is not mistaken for one. ``include_running`` lists every live node.
     """
     launches: dict[str, list[dict]] = {}
     for instance in job_instances(ec2, None):
-        if instance["State"]["Name"] in LIVE_STATES:
-            launches.setdefault(tag_map(instance).get(req.TAG_LAUNCH, ""), []).append(instance)
+        launches.setdefault(tag_map(instance).get(req.TAG_LAUNCH, ""), []).append(instance)
     found = Created(job="*")
     kept: set[str] = set()
     for launch, nodes in launches.items():
+        live = [i for i in nodes if i["State"]["Name"] in LIVE_STATES]
+        if not live:
+            continue
         want = int(tag_map(nodes[0]).get(req.TAG_NUM_NODES, len(nodes)))
         if include_running or len(nodes) < want:
-            found.instances += [i["InstanceId"] for i in nodes]
+            found.instances += [i["InstanceId"] for i in live]
         else:
             kept.add(launch)
     found.security_groups = [g["GroupId"] for g in job_security_groups(ec2, None)

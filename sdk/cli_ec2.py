@@ -18,11 +18,17 @@ def ec2() -> None:
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask before removing.")
 @click.option("--all", "include_running", is_flag=True,
-              help="Also terminate nodes of complete, running dtrain jobs.")
+              help="Also terminate the nodes of running dtrain jobs (and then their groups).")
 @click.option("--region", default=None, help="AWS region (default: the boto3 default).")
 def gc(dry_run: bool, yes: bool, include_running: bool, region: str | None) -> None:
-    """Remove leftovers tagged `dtrain:created-by=dtrain`: nodes of clusters that never came up
-    whole, and security/placement groups no live node uses. Untagged resources are never touched.
+    """Remove what dtrain created for EC2 jobs and no running job uses.
+
+    Only resources tagged `dtrain:created-by=dtrain` are considered: the security and placement
+    groups of jobs that completed, failed or were stopped (`dtrain status` removes them when it
+    sees a job end, unless they were still in use then), and the nodes of launches that never
+    came up whole (a launcher killed mid-launch). Running jobs are left alone unless --all.
+    Untagged resources, such as a placement group named in `ec2.placement_group`, are never
+    touched.
     """
     from dtrain.launcher import aws, ec2_resources
 

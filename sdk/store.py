@@ -172,17 +172,6 @@ class JobStore:
         self._retry(insert)
         return record
 
-    def add(self, *, job_name: str, target: str, spec: dict[str, Any] | None,
-            request: dict[str, Any] | None = None,
-            details: dict[str, Any] | None = None) -> JobRecord:
-        """Record a cloud job right after it was created (the SageMaker and EC2 backends call this).
-
-        The backend's job name is the record's name and its facts are the target data.
-        """
-        data = {**(details or {}), "request": request}
-        return self.create(name=job_name, target=target, spec=spec or {}, status=STARTING,
-                           output_location=(details or {}).get("output_path"), target_data=data)
-
     def update(self, job_id: str, *, status: str | None = None,
                target_data: dict[str, Any] | None = None, **fields: Any) -> JobRecord:
         """Change fields of a job; ``target_data`` is merged. A final status never changes.
@@ -214,6 +203,23 @@ class JobStore:
                 if values:
                     sets = ", ".join(f"{k} = ?" for k in values)
                     conn.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
+        self._retry(apply)
+        return self.get(job_id)
+
+    def update_target_data(self, job_id: str, target_data: dict[str, Any]) -> JobRecord:
+        """Merge facts learnt after a job ended (e.g. the EC2 backend removing its groups).
+
+        Unlike ``update`` this also writes to a final job; status and every other field stay.
+        """
+        def apply() -> None:
+            with self._write() as conn:
+                row = conn.execute("SELECT target_data FROM jobs WHERE id = ?",
+                                   (job_id,)).fetchone()
+                if row is None:
+                    raise DtrainError(f"no job with id {job_id!r}; see `dtrain list`")
+                merged = {**json.loads(row[0] or "{}"), **target_data}
+                conn.execute("UPDATE jobs SET target_data = ? WHERE id = ?",
+                             (json.dumps(merged, default=str), job_id))
         self._retry(apply)
         return self.get(job_id)
 

@@ -1,18 +1,22 @@
-"""The EC2 backend against moto: launch a 2-node p4d job, stop it, fail half-way, gc leftovers.
+"""The EC2 backend against moto: launch a 2-node p4d job, stop it, let it finish, fail half-way,
+gc leftovers.
 
 moto implements instances, security groups, subnets, IAM and S3 but not placement groups, and it
 accepts EFA interface types and capacity reservations without modelling them. ``PlacementGroups``
-below is the one test double: a botocore ``before-call`` handler that answers exactly
+below is the one standing test double: a botocore ``before-call`` handler that answers exactly
 Create/Describe/DeletePlacementGroup. ``RunInstances`` still goes to moto; a
 ``before-parameter-build`` handler only records what was sent so the EFA, placement and capacity
 parameters can be asserted. The SSM lookup of the Deep Learning AMI uses botocore's Stubber
-(moto refuses the reserved ``/aws/`` parameter names).
+(moto refuses the reserved ``/aws/`` parameter names). moto deletes a security group even while
+network interfaces use it; the tests of that case answer ``DeleteSecurityGroup`` with EC2's
+``DependencyViolation`` through a ``before-call`` handler (``security_group_in_use``).
 """
 
 from __future__ import annotations
 
 import base64
 import io
+from datetime import datetime, timezone
 from pathlib import Path
 
 import boto3
@@ -20,11 +24,13 @@ import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.stub import Stubber
 from dtrain.errors import DtrainError
+from dtrain.launcher import ec2_bootstrap as boot
 from dtrain.launcher import ec2_requests as req
 from dtrain.launcher import ec2_resources as res
 from dtrain.launcher.ec2 import Ec2Launcher
 from dtrain.planner import plan
 from dtrain.spec import JobSpec
+from dtrain.store import JobStore
 from moto import mock_aws
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +161,11 @@ def dtrain_groups(ec2) -> list[dict]:
 def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
     launcher = launcher_for(aws, assume_yes=True)
     request = p4d_request(launcher, aws)
-    facts = launcher.submit(request)
+    record = launcher.submit(request)
+    assert (record.name, record.target, record.status) == (JOB, "ec2", "Starting")
+    assert JobStore().find(JOB) == record
+    assert record.output_location == f"s3://{BUCKET}/dtrain/{JOB}/model/"
+    facts = record.target_data
     ec2 = aws["ec2"]
     nodes = live_instances(ec2)
     assert sorted(i["InstanceId"] for i in nodes) == sorted(facts["instance_ids"])
@@ -188,17 +198,18 @@ def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
     keys = {o["Key"] for o in aws["s3"].list_objects_v2(Bucket=BUCKET)["Contents"]}
     assert {f"dtrain/{JOB}/source/sourcedir.tar.gz",
             f"dtrain/{JOB}/source/{req.WHEEL_NAME}"} <= keys
-    assert launcher.status(JOB)["state"] == "InProgress"
+    assert launcher.job_status(record)["state"] == "InProgress"
+    assert launcher.status(record).status == "Starting"  # no node has reported running yet
 
 
 def test_stop_leaves_no_running_instance_and_no_dtrain_security_group(aws):
     launcher = launcher_for(aws, assume_yes=True)
-    launcher.submit(p4d_request(launcher, aws))
-    assert launcher.stop(JOB) == []
+    record = launcher.stop(launcher.submit(p4d_request(launcher, aws)))
+    assert record.status == "Stopping" and record.target_data["cleanup"]["state"] == "done"
     assert live_instances(aws["ec2"]) == []
     assert dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {}
-    assert launcher.status(JOB)["state"] == "Stopped"
+    assert launcher.status(record).status == "Stopped"
 
 
 def test_capacity_error_on_second_node_rolls_everything_back(aws):
@@ -213,6 +224,9 @@ def test_capacity_error_on_second_node_rolls_everything_back(aws):
     assert live_instances(aws["ec2"]) == []
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
     assert "Contents" not in aws["s3"].list_objects_v2(Bucket=BUCKET)  # uploads removed too
+    failed = JobStore().find(JOB)  # recorded with its reason, like a failed SageMaker job
+    assert failed.status == "Failed" and failed.failure_reason == message
+    assert failed.target_data["cleanup"]["state"] == "done"
 
 
 def test_cost_above_threshold_is_refused_without_yes_and_nothing_is_created(aws):
@@ -263,7 +277,7 @@ def test_gc_removes_planted_leftovers_and_nothing_untagged(aws):
 
     planted = plant_leftovers(aws)
     launcher = launcher_for(aws, assume_yes=True)
-    launcher.submit(p4d_request(launcher, aws))  # a healthy job: gc must leave it alone
+    record = launcher.submit(p4d_request(launcher, aws))  # a healthy job: gc leaves it alone
     runner = CliRunner()
     dry = runner.invoke(ec2_group, ["gc", "--dry-run"])
     assert dry.exit_code == 0, dry.output
@@ -276,4 +290,163 @@ def test_gc_removes_planted_leftovers_and_nothing_untagged(aws):
     groups = {g["GroupId"] for g in aws["ec2"].describe_security_groups()["SecurityGroups"]}
     assert planted["group"] not in groups and planted["my_group"] in groups
     assert "dtrain-old-t1" not in aws["pg"].groups and len(aws["pg"].groups) == 1
-    assert launcher.status(JOB)["state"] == "InProgress"
+    assert launcher.job_status(record)["state"] == "InProgress"
+
+
+# ---------------------------------------------------------------- a job that ends on its own
+
+def finish_nodes(aws, record, *, power_off: bool = True, state: str = "completed") -> None:
+    """What every node does at the end of a job: write its final status object, then power off
+    (InstanceInitiatedShutdownBehavior=terminate makes that a termination)."""
+    ids = record.target_data["instance_ids"]
+    nodes = [i for r in aws["ec2"].describe_instances(InstanceIds=ids)["Reservations"]
+             for i in r["Instances"]]
+    for instance in nodes:
+        node = boot.Node(rank=int(res.tag_map(instance)[req.TAG_NODE_RANK]),
+                         private_ip=instance["PrivateIpAddress"],
+                         instance_id=instance["InstanceId"], root="/opt/ml", work_dir="/opt/dtrain")
+        boot.write_status(aws["s3"], record.target_data, node, state,
+                          exit_code=0 if state == "completed" else 1)
+    if power_off:
+        aws["ec2"].terminate_instances(InstanceIds=ids)
+
+
+def security_group_in_use(client, *, times: int | None = None) -> list[str]:
+    """DeleteSecurityGroup answered with EC2's DependencyViolation (the terminated nodes'
+    network interfaces are still detaching) ``times`` times, or always; moto would delete."""
+    calls: list[str] = []
+
+    def keep(params, **_):
+        calls.append(params["GroupId"])
+
+    def answer(**_):
+        if times is not None and len(calls) > times:
+            return None
+        return AWSResponse("https://ec2", 400, {}, None), {
+            "Error": {"Code": "DependencyViolation",
+                      "Message": f"resource {calls[-1]} has a dependent object"},
+            "ResponseMetadata": {"HTTPStatusCode": 400}}
+    client.meta.events.register("before-parameter-build.ec2.DeleteSecurityGroup", keep)
+    client.meta.events.register("before-call.ec2.DeleteSecurityGroup", answer)
+    return calls
+
+
+def count_ec2_calls(client) -> list[str]:
+    calls: list[str] = []
+    client.meta.events.register("before-parameter-build.ec2",
+                                lambda model, **_: calls.append(model.name))
+    return calls
+
+
+def test_a_job_that_completes_on_its_own_leaves_no_group_once_status_sees_it_end(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    group = record.target_data["security_group_id"]
+    # nodes report completion a moment before they power off: the groups are still in use
+    finish_nodes(aws, record, power_off=False)
+    record = launcher.status(record)
+    assert record.status == "Completed"
+    cleanup = record.target_data["cleanup"]
+    assert cleanup["state"] == "pending" and "2 node(s) not terminated yet" in cleanup["reason"]
+    assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [group]
+    aws["ec2"].terminate_instances(InstanceIds=record.target_data["instance_ids"])
+    record = launcher.status(record)
+    assert record.status == "Completed" and record.target_data["cleanup"]["state"] == "done"
+    assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
+    assert set(record.target_data["cleanup"]["removed"]) == {
+        group, record.target_data["placement_group"]}
+    assert f"removed {group}" in launcher.out.getvalue()
+    calls = count_ec2_calls(aws["ec2"])
+    assert launcher.status(record) == JobStore().get(record.id) and calls == []  # done: no retry
+
+
+def test_a_placement_group_and_security_groups_the_user_made_are_never_removed(aws):
+    aws["ec2"].create_placement_group(GroupName="my-cluster-pg", Strategy="cluster")
+    vpc = aws["subnet"]["VpcId"]
+    # the user's own groups, one even tagged with the job's name (but not created by dtrain)
+    mine = [aws["ec2"].create_security_group(GroupName="my-efa-sg", Description="mine",
+                                             VpcId=vpc)["GroupId"],
+            aws["ec2"].create_security_group(
+                GroupName=f"dtrain-{JOB}-mine", Description="mine", VpcId=vpc,
+                TagSpecifications=[{"ResourceType": "security-group",
+                                    "Tags": [{"Key": req.TAG_JOB, "Value": JOB}]}])["GroupId"]]
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws, "ec2.placement_group=my-cluster-pg"))
+    finish_nodes(aws, record)
+    record = launcher.status(record)
+    assert record.status == "Completed" and record.target_data["cleanup"]["removed"] == [
+        record.target_data["security_group_id"]]
+    assert list(aws["pg"].groups) == ["my-cluster-pg"]
+    left = {g["GroupId"] for g in aws["ec2"].describe_security_groups()["SecurityGroups"]}
+    assert set(mine) <= left and record.target_data["security_group_id"] not in left
+
+
+def test_a_security_group_still_in_use_is_removed_by_the_next_status_call(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    group = record.target_data["security_group_id"]
+    tried = security_group_in_use(aws["ec2"], times=1)
+    finish_nodes(aws, record)
+    record = launcher.status(record)  # no exception: the job did complete
+    assert record.status == "Completed" and tried == [group]
+    cleanup = record.target_data["cleanup"]
+    assert cleanup["state"] == "pending" and cleanup["left"] == [group]
+    assert cleanup["removed"] == [record.target_data["placement_group"]]
+    assert "DependencyViolation" in cleanup["reason"]
+    assert f"{group} not removed yet" in launcher.out.getvalue()
+    assert "dtrain ec2 gc" in launcher.out.getvalue()
+    assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [group]
+    record = launcher.status(JobStore().get(record.id))
+    assert tried == [group, group] and dtrain_groups(aws["ec2"]) == []
+    assert record.status == "Completed" and record.target_data["cleanup"]["state"] == "done"
+
+
+def test_a_group_in_use_for_an_hour_is_left_to_gc_which_removes_it_by_default(aws):
+    from click.testing import CliRunner
+    from dtrain.cli_ec2 import ec2 as ec2_group
+    from dtrain.launcher.ec2 import CLEANUP_RETRY_S
+
+    now = {"t": 1_700_000_000.0}
+    launcher = launcher_for(aws, assume_yes=True, clock=lambda: datetime.fromtimestamp(
+        now["t"], timezone.utc))
+    record = launcher.submit(p4d_request(launcher, aws))
+    group = record.target_data["security_group_id"]
+    tried = security_group_in_use(aws["ec2"])  # the launcher's client only, not gc's
+    finish_nodes(aws, record, state="failed")
+    assert launcher.status(record).target_data["cleanup"]["state"] == "pending"
+    now["t"] += CLEANUP_RETRY_S
+    record = launcher.status(JobStore().get(record.id))
+    assert record.status == "Failed" and record.target_data["cleanup"]["state"] == "left-for-gc"
+    assert record.target_data["cleanup"]["tries"] == 2 and len(tried) == 2
+    assert launcher.status(record) == record and len(tried) == 2  # not retried forever
+    done = CliRunner().invoke(ec2_group, ["gc", "--yes"])  # no --all needed
+    assert done.exit_code == 0, done.output
+    assert f"remove security group {group}" in done.output and dtrain_groups(aws["ec2"]) == []
+
+
+def test_gc_keeps_a_finishing_cluster_whose_other_node_already_terminated(aws):
+    from click.testing import CliRunner
+    from dtrain.cli_ec2 import ec2 as ec2_group
+
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    first, second = record.target_data["instance_ids"]
+    aws["ec2"].terminate_instances(InstanceIds=[first])  # node 0 is done, node 1 still uploads
+    dry = CliRunner().invoke(ec2_group, ["gc", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert dry.output == "no dtrain leftovers found\n"
+    assert [i["InstanceId"] for i in live_instances(aws["ec2"])] == [second]
+
+
+def test_dtrain_status_of_a_job_that_ended_removes_its_groups_and_says_so(aws):
+    from click.testing import CliRunner
+    from dtrain.cli import cli
+
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    finish_nodes(aws, record)
+    shown = CliRunner().invoke(cli, ["status", record.id])  # the CLI builds its own clients
+    assert shown.exit_code == 0, shown.output
+    assert "status    Completed" in shown.stdout
+    assert f"removed {record.target_data['security_group_id']}" in shown.stderr
+    assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}

@@ -76,3 +76,14 @@ def test_many_processes_write_at_once_without_database_errors(tmp_path):
     records = JobStore(path).list()
     assert done == len(records) == 90
     assert {r.status for r in records} == {COMPLETED}
+
+
+def test_target_data_learnt_after_the_end_is_merged_without_touching_the_status():
+    store = JobStore()
+    rec = store.create(name="demo", target="ec2", spec={}, target_data={"prefix": "s3://b/p"})
+    store.update(rec.id, status=COMPLETED, target_data={"cleanup": {"state": "pending"}})
+    after = store.update_target_data(rec.id, {"cleanup": {"state": "done"}})
+    assert after.status == COMPLETED and after.ended_at is not None
+    assert after.target_data == {"prefix": "s3://b/p", "cleanup": {"state": "done"}}
+    with pytest.raises(DtrainError, match="no job"):
+        store.update_target_data("nope", {})
