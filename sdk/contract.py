@@ -31,6 +31,10 @@ MASTER_PORT_ENV = "DTRAIN_MASTER_PORT"
 DEFAULT_MASTER_PORT = 29500
 RECIPE_PREFIX = "recipe:"
 RECIPE_PACKAGE = "dtrain.runtime.recipes"
+# Exit code of a worker that stopped after a checkpoint because of SIGTERM (the Trainer's recipes),
+# and of a node agent whose workers all did so: 128 + SIGTERM, what a SIGTERMed process reports.
+# An interruption to resume from, not a crash.
+PREEMPTED_EXIT_CODE = 143
 
 # Instance types without accelerators run workers on CPU with gloo.
 CPU_INSTANCE_TYPES = frozenset({"local"})

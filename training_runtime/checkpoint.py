@@ -196,8 +196,15 @@ class CheckpointManager:
         return json.loads((path / TRAINER_STATE).read_text())
 
 
+HF_STAGING = ".dtrain-partial"  # inside the model folder: same file system, so renames work
+
+
 def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
-    """Gather the full weights and write a Hugging Face folder from rank 0 (collective)."""
+    """Gather the full weights and write a Hugging Face folder from rank 0 (collective).
+
+    The files are written to ``folder/.dtrain-partial`` and then moved in, ``config.json`` last,
+    so a save cut off half-way leaves the previous model (or none), never a partial one.
+    """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=options)  # empty on ranks other than 0
     folder = Path(folder)
@@ -211,9 +218,24 @@ def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
         missing, unexpected = plain.load_state_dict(full, strict=False)
         tied = set(getattr(plain, "_tied_weights_keys", {}))
         assert not unexpected and set(missing) <= tied, (missing, unexpected)
-        save_pretrained(plain, folder)
+        staging = folder / HF_STAGING
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+        save_pretrained(plain, staging)
+        _publish(staging, folder)
     dist.barrier()
     return folder
+
+
+def _publish(staging: Path, folder: Path) -> None:
+    """Move a finished HF save from ``staging`` into ``folder``; ``config.json`` goes in last."""
+    from dtrain.runtime.models.hf_io import CONFIG_NAME
+
+    (folder / CONFIG_NAME).unlink(missing_ok=True)  # old config never describes new weights
+    for stale in folder.glob("model*.safetensors*"):  # shards and index of an earlier save
+        stale.unlink()
+    for item in sorted(staging.iterdir(), key=lambda path: path.name == CONFIG_NAME):
+        os.replace(item, folder / item.name)
+    staging.rmdir()
 
 
 def _write_synced(path: Path, text: str) -> None:

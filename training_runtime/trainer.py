@@ -12,7 +12,8 @@ micro-batches; hop 2 of the gradient sync runs only on the last one (see
 
 Stopping: SIGTERM (a spot interruption, ``dtrain stop``) sets a flag; at the next step boundary
 every rank agrees on it (one all-reduce of a flag), a checkpoint is written and ``fit`` returns
-with ``preempted=True``; recipes then exit with ``PREEMPTED_EXIT_CODE``.
+with ``preempted=True``; recipes then exit with ``PREEMPTED_EXIT_CODE`` (the node agent reports
+that as an interruption, not a crash). A SIGTERM during the final model save lets it finish.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dtrain.contract import PREEMPTED_EXIT_CODE  # noqa: F401 - recipes' exit code, shared
 from torch import nn
 
 from . import metrics as m
@@ -33,7 +35,6 @@ from .checkpoint import CheckpointManager, save_hf_model
 from .optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
 from .schedule import WarmupCosine
 
-PREEMPTED_EXIT_CODE = 143  # what a process killed by SIGTERM reports (128 + 15)
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, int]]
 
 
@@ -141,11 +142,13 @@ class Trainer:
                 if interval and self.step % interval == 0 and self.step < self.config.steps:
                     self._save(checkpoints, loader)
                     window.start = time.perf_counter()  # keep saving out of tokens/s
+            if not result.preempted:
+                # Still under the stop flag: a SIGTERM now lets the save finish (within the
+                # agent's grace period) instead of killing this rank half-way through model/.
+                save_hf_model(self.model, self.model_dir)
         finally:
             logger.close()
             self.stop.uninstall()
-        if not result.preempted:
-            save_hf_model(self.model, self.model_dir)
         result.step = self.step
         return result
 

@@ -123,3 +123,64 @@ def test_missing_data_is_a_one_line_error(job, capsys):
 
     assert causal_lm.main(["--data", "nope", "--steps", "1"]) == 2
     assert "no input channel 'nope'" in capsys.readouterr().err
+
+
+
+def _tiny_fit(steps: int):
+    """One gloo rank trains gpt-neox-tiny for ``steps`` steps; returns the Trainer and result."""
+    import dtrain.runtime as rt
+    from dtrain.runtime.data import DistributedTokenLoader
+    from dtrain.runtime.models import from_preset
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.tokenize import encode_bytes
+    from dtrain.runtime.trainer import Trainer, TrainerConfig
+
+    ctx = rt.init(distribution={"sharding_degree": 1})
+    model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
+    loader = DistributedTokenLoader(encode_bytes([CORPUS]), window=33, micro_batch_size=2)
+    trainer = Trainer(model, ctx, next_token_loss, config=TrainerConfig(steps=steps))
+    return trainer, trainer.fit(loader)
+
+
+def test_sigterm_during_the_final_model_save_lets_the_save_finish(job, monkeypatch):
+    from dtrain.runtime import trainer
+    from dtrain.runtime.models.hf_io import load_pretrained
+
+    save = trainer.save_hf_model
+
+    def save_with_a_spot_notice(model, folder):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the model is being written
+        return save(model, folder)
+
+    monkeypatch.setattr(trainer, "save_hf_model", save_with_a_spot_notice)
+    outside = []  # stands in for the default handler, which would kill the rank mid-save
+    previous = signal.signal(signal.SIGTERM, lambda *_: outside.append(True))
+    try:
+        _, result = _tiny_fit(steps=2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        torch.distributed.destroy_process_group()
+    assert outside == []  # the trainer held SIGTERM until model/ was whole
+    assert (result.step, result.preempted) == (2, False)
+    assert load_pretrained(job / "model") is not None
+
+
+def test_a_model_save_cut_off_half_way_leaves_the_previous_model_whole(job, monkeypatch):
+    from dtrain.runtime.checkpoint import HF_STAGING, save_hf_model
+    from dtrain.runtime.models import hf_io
+
+    def killed_half_way(tensors, path, **kwargs):
+        Path(path).write_bytes(b"\0" * 64)  # a truncated weights file, then the process dies
+        raise SystemExit(137)
+
+    try:
+        trainer, _ = _tiny_fit(steps=1)  # writes model/
+        before = {p.name: p.read_bytes() for p in (job / "model").iterdir()}
+        monkeypatch.setattr(hf_io, "save_file", killed_half_way)
+        with pytest.raises(SystemExit):
+            save_hf_model(trainer.model, job / "model")
+    finally:
+        torch.distributed.destroy_process_group()
+    after = {p.name: p.read_bytes() for p in (job / "model").iterdir() if p.name != HF_STAGING}
+    assert after == before
+    assert not (job / "model" / HF_STAGING / "config.json").exists()
