@@ -240,7 +240,9 @@ def run_node(s3, config: dict, node: Node, *, command: list[str] | None = None,
         reason = f"bootstrap failed on {node.private_ip}: {type(exc).__name__}: {exc}"
         print(f"dtrain: {reason}", file=sys.stderr)
     _quietly(upload_results, s3, config, node, paths)
-    state = "completed" if code == 0 else "failed"
+    # 143: this node was SIGTERMed, or its workers stopped after a checkpoint because another
+    # node was; the job is stopped (resubmit to resume), not failed.
+    state = {0: "completed", contract.PREEMPTED_EXIT_CODE: "stopped"}.get(code, "failed")
     write_status(s3, config, node, state, exit_code=code, reason=reason)
     return code
 

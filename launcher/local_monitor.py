@@ -58,8 +58,17 @@ def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> None:
         agent.wait()
 
 
+def wait_for_agents(agents: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def root_cause(request: dict, job_dir: str) -> str:
-    """The earliest failure any host reported (other hosts usually fail as a consequence)."""
+    """The earliest failure any host reported (other hosts usually fail as a consequence).
+
+    max_run comes first, then crashes, then interruptions (which a crash elsewhere can cause).
+    """
     found = []
     for host in request["hosts"]:
         paths = contract.Paths(host_root(job_dir, host))
@@ -70,11 +79,11 @@ def root_cause(request: dict, job_dir: str) -> str:
                 text = f.read().strip()
         except (OSError, ValueError):
             continue
-        found.append((details.get("reason") == "max_run", details.get("timestamp") or 0, text))
+        order = {"max_run": 0, "interrupted": 2}.get(details.get("reason"), 1)
+        found.append((order, details.get("timestamp") or 0, text))
     if not found:
         return ""
-    found.sort(key=lambda item: (not item[0], item[1]))  # max_run first, then the earliest
-    return found[0][2]
+    return min(found)[2]
 
 
 def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list) -> None:
@@ -94,11 +103,18 @@ def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list
             store.update(job_id, status=COMPLETED)
             return
         if any(code not in (None, 0) for code in codes):
-            stop_agents(agents, grace)  # one host failed: the job has failed
+            if set(codes) <= {None, 0, contract.PREEMPTED_EXIT_CODE}:
+                # Interrupted: the other hosts stop at the same step on their own, and say where.
+                wait_for_agents(agents, grace + 5)
+            stop_agents(agents, grace)  # one host failed (or still runs): the job is over
+            codes = [a.returncode for a in agents]
             reason = root_cause(request, job_dir) or \
-                f"node agent exit codes {[a.returncode for a in agents]}; see `dtrain logs`"
-            max_run = MAX_RUN_EXIT_CODE in codes
-            store.update(job_id, status=STOPPED if max_run else FAILED, failure_reason=reason)
+                f"node agent exit codes {codes}; see `dtrain logs`"
+            # max_run and SIGTERM (a spot notice, or the checkpointed stop that follows it) are
+            # stops to resume from, as on SageMaker; anything else is a failure.
+            stopped = MAX_RUN_EXIT_CODE in codes or \
+                set(codes) <= {0, contract.PREEMPTED_EXIT_CODE}
+            store.update(job_id, status=STOPPED if stopped else FAILED, failure_reason=reason)
             return
         time.sleep(0.2)
 

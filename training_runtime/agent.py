@@ -167,6 +167,10 @@ def build_launch_config(contract: c.Contract, *, grace_period_s: int) -> LaunchC
         rdzv_endpoint=f"{master}:{port}",
         rdzv_configs={"is_host": contract.node_rank == 0, "timeout": 300},
         max_restarts=contract.settings.max_restarts,
+        # Not why agents exit ~4 s after a 2x2 CPU job's last worker line: this poll, torch's log
+        # tailing and the exit barrier add ~0.3 s; the rest is CPython tearing down torch (~1 s
+        # per worker, ~0.6 s per agent, more on 2 shared cores). Only os._exit would skip that, at
+        # the cost of user atexit work and of host 0's rendezvous store the other agents close.
         monitor_interval=0.1,
         logs_specs=RankLogsSpecs(contract.paths.logs_dir),
         log_line_prefix_template=f"[{host} ${{rank}}]:",
@@ -202,6 +206,38 @@ def describe_child_failure(contract: c.Contract, error: ChildFailedError) -> dic
         "summary": f"rank {rank} on {contract.current_host} {what}" + (f": {last}" if last else ""),
         "tail": tail,
     }
+
+
+def is_interruption(error: ChildFailedError) -> bool:
+    """Whether this host's workers stopped after a checkpoint (not a crash).
+
+    True when some worker exited with ``PREEMPTED_EXIT_CODE`` and the rest did too or died of
+    SIGTERM: torch elastic SIGTERMs a host's remaining workers as soon as one has exited.
+    """
+    codes = {failure.exitcode for failure in error.failures.values()}
+    return c.PREEMPTED_EXIT_CODE in codes and codes <= {c.PREEMPTED_EXIT_CODE, -signal.SIGTERM}
+
+
+def describe_interruption(contract: c.Contract, *, since: float) -> dict:
+    """The failure report of a host whose workers stopped because some host received SIGTERM."""
+    from .checkpoint import COMPLETE, complete_checkpoints  # torch.distributed.checkpoint: lazily
+
+    found = complete_checkpoints(contract.checkpoint_dir)
+    # Only a checkpoint this run wrote tells where it stopped; an older one would mislead.
+    step, folder = found[-1] if found and os.path.getmtime(found[-1][1] / COMPLETE) >= since \
+        else (None, None)
+    where = contract.checkpoint_config.get("S3Uri") or contract.checkpoint_dir
+    if step is None:
+        summary = (f"interrupted: the workers on {contract.current_host} stopped early (exit code "
+                   f"{c.PREEMPTED_EXIT_CODE}) because a host received SIGTERM; resubmit to resume "
+                   f"from the newest checkpoint in {where}")
+    else:
+        summary = (f"interrupted: training stopped at step {step} after a checkpoint because a "
+                   f"host received SIGTERM; resubmit to resume from {where.rstrip('/')}/"
+                   f"{folder.name}")
+    return {"reason": "interrupted", "summary": summary, "step": step, "rank": None,
+            "host": contract.current_host, "exit_code": c.PREEMPTED_EXIT_CODE,
+            "timestamp": time.time()}
 
 
 def _latest_stem(log_dir: str, rank: int, attempt_hint: int) -> str:
@@ -270,10 +306,14 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
     config = build_launch_config(contract, grace_period_s=grace)
     logger.info("host %s (node rank %d/%d): %d worker(s) of %s", contract.current_host,
                 contract.node_rank, len(contract.hosts), config.nproc_per_node, command.args[3:])
+    started = time.time()
     try:
         elastic_launch(config, command.executable)(*command.args)
         return 0
     except ChildFailedError as exc:
+        if is_interruption(exc):
+            write_failure(contract.paths, describe_interruption(contract, since=started))
+            return c.PREEMPTED_EXIT_CODE
         write_failure(contract.paths, describe_child_failure(contract, exc))
         return 1
     except SignalException as exc:

@@ -149,6 +149,18 @@ def test_a_failing_agent_is_reported_failed_in_the_status_objects(s3, tmp_path, 
     assert state["state"] == "Failed" and "code 3" in state["failure_reason"]
 
 
+def test_an_interrupted_agent_stops_the_job_instead_of_failing_it(s3, tmp_path, monkeypatch):
+    config = job_config("tok4")
+    upload_artifacts(s3, config)
+    # 143: the node was SIGTERMed, or its workers stopped after a checkpoint because one was.
+    assert run_two_nodes(s3, tmp_path, config, monkeypatch, exit_code=143) == [143, 143]
+    from dtrain.launcher.ec2_resources import job_state, read_status_objects
+
+    nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
+    assert [n["state"] for n in nodes] == ["stopped", "stopped"]
+    assert job_state({"i-0": "terminated", "i-1": "terminated"}, nodes, 2)["state"] == "Stopped"
+
+
 def test_rendezvous_gives_up_with_a_failed_status_when_a_node_never_arrives(s3, tmp_path):
     config = job_config("tok3")
     node = boot.Node(rank=0, private_ip=IPS[0], instance_id="i-0",

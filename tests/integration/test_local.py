@@ -51,6 +51,16 @@ def test_hanging_worker_is_stopped_at_max_run(tmp_path, dtrain_home, live_proces
     assert live_processes(str(tmp_path)) == []
 
 
+def test_workers_stopped_after_a_checkpoint_stop_the_job_not_fail_it(tmp_path):
+    # Exit code 143 on every rank is what the Trainer's recipes return after the SIGTERM
+    # checkpoint; here no checkpoint exists, so the reason names none.
+    spec = make_spec(tmp_path, "raise SystemExit(143)\n", instance_count=2)
+    record = jobs.submit(spec, wait=True)
+    assert record.status == "Stopped"
+    assert record.failure_reason.startswith("interrupted: the workers on algo-")
+    assert "resubmit to resume from the newest checkpoint in" in record.failure_reason
+
+
 def test_one_failure_is_retried_with_max_restarts(tmp_path):
     spec = make_spec(tmp_path, """
         import os

@@ -105,10 +105,16 @@ def test_sigterm_on_one_host_stops_every_host_inside_the_grace_period(preempted,
                                                                        live_processes):
     interrupted, other = preempted["codes"][1], preempted["codes"][0]
     assert interrupted == 128 + signal.SIGTERM, preempted["log"]
-    # The other host's workers stopped with the job (the preempted exit code, not a crash), and
-    # its agent reports that they ended early.
-    failure = Path(c.Paths(str(preempted["root"] / HOSTS[0])).failure_details_file)
-    assert other != 0 and json.loads(failure.read_text())["exit_code"] == PREEMPTED_EXIT_CODE
+    # The other host's workers stopped with the job: its agent reports the interruption and where
+    # to resume from, with the same exit code, and blames none of its ranks.
+    assert other == PREEMPTED_EXIT_CODE
+    paths, step = c.Paths(str(preempted["root"] / HOSTS[0])), preempted["stop_step"]
+    details = json.loads(Path(paths.failure_details_file).read_text())
+    assert (details["reason"], details["rank"], details["step"]) == ("interrupted", None, step)
+    checkpoint = preempted["root"] / "checkpoints" / step_dir_name(step)
+    assert Path(paths.failure_file).read_text() == (
+        f"interrupted: training stopped at step {step} after a checkpoint because a host "
+        f"received SIGTERM; resubmit to resume from {checkpoint}\n")
     # The agent SIGKILLs only after GRACE_S: ending sooner means the workers left on their own.
     assert preempted["stop_seconds"] < GRACE_S
     assert live_processes(str(preempted["root"])) == []
