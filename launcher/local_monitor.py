@@ -20,8 +20,6 @@ from dtrain import contract
 from dtrain.launcher.local import REQUEST_FILE, agent_log, host_root, kill_process_groups
 from dtrain.store import COMPLETED, FAILED, RUNNING, STARTING, STOPPED, JobStore
 
-MAX_RUN_EXIT_CODE = 124  # the node agent's code for "max_run reached"
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -112,7 +110,7 @@ def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list
                 f"node agent exit codes {codes}; see `dtrain logs`"
             # max_run and SIGTERM (a spot notice, or the checkpointed stop that follows it) are
             # stops to resume from, as on SageMaker; anything else is a failure.
-            stopped = MAX_RUN_EXIT_CODE in codes or \
+            stopped = contract.MAX_RUN_EXIT_CODE in codes or \
                 set(codes) <= {0, contract.PREEMPTED_EXIT_CODE}
             store.update(job_id, status=STOPPED if stopped else FAILED, failure_reason=reason)
             return

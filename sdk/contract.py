@@ -35,6 +35,8 @@ RECIPE_PACKAGE = "dtrain.runtime.recipes"
 # and of a node agent whose workers all did so: 128 + SIGTERM, what a SIGTERMed process reports.
 # An interruption to resume from, not a crash.
 PREEMPTED_EXIT_CODE = 143
+# Exit code of a node agent that stopped its workers at max_run, as coreutils' timeout(1).
+MAX_RUN_EXIT_CODE = 124
 
 # Instance types without accelerators run workers on CPU with gloo.
 CPU_INSTANCE_TYPES = frozenset({"local"})

@@ -27,7 +27,6 @@ logger = logging.getLogger("dtrain.runtime.agent")
 
 DEFAULT_GRACE_PERIOD_S = 30
 GRACE_PERIOD_ENV = "DTRAIN_STOP_GRACE_PERIOD"
-MAX_RUN_EXIT_CODE = 124  # as coreutils' timeout(1)
 FAILURE_TAIL_LINES = 20
 
 
@@ -322,8 +321,8 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
                 "summary": f"max_run of {contract.settings.max_run} s reached on "
                            f"{contract.current_host}; workers were stopped",
                 "reason": "max_run", "timestamp": time.time(), "rank": None,
-                "host": contract.current_host, "exit_code": MAX_RUN_EXIT_CODE})
-            return MAX_RUN_EXIT_CODE
+                "host": contract.current_host, "exit_code": c.MAX_RUN_EXIT_CODE})
+            return c.MAX_RUN_EXIT_CODE
         return 128 + int(exc.sigval)
     except Exception as exc:  # rendezvous and launch errors: report, never hang
         write_failure(contract.paths, {"summary": f"node agent failed on {contract.current_host}: "
