@@ -2,13 +2,16 @@
 
 A backend turns a Plan into a request with the pure ``build_request`` (what ``--dry-run``
 prints), sends it with ``submit``, and then answers ``status``/``logs``/``stop`` for the job
-record the store holds. Backends are imported only when used, so ``import dtrain`` stays light.
+record the store holds. A backend that removes what it created only once the job's machines are
+gone says so through ``pending_cleanup``, so a caller that waits for the job can wait for that
+too. Backends are imported only when used, so ``import dtrain`` stays light.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +26,15 @@ BACKENDS = {
     "sagemaker": "dtrain.launcher.sagemaker:SageMakerLauncher",
     "ec2": "dtrain.launcher.ec2:Ec2Launcher",
 }
+
+
+@dataclass(frozen=True)
+class PendingCleanup:
+    """What a target still has to remove after its job ended; each ``status`` call retries it."""
+
+    what: str  # "security group sg-0abc and placement group dtrain-job-1a2b"
+    once: str  # what the removal waits for: "the 2 nodes have terminated"
+    retry_hint: str  # who finishes it when nobody waits: "`dtrain status 3f2a` tries again, ..."
 
 
 class Launcher(ABC):
@@ -50,6 +62,13 @@ class Launcher(ABC):
     @abstractmethod
     def stop(self, record: JobRecord, *, store: JobStore) -> JobRecord:
         """Ask the job to stop; returns the record (Stopping or already final)."""
+
+    def pending_cleanup(self, record: JobRecord) -> PendingCleanup | None:
+        """For an ended job: what ``status`` has yet to remove (it retries on each call), or None.
+
+        Reads the record only, no call to the target. By default nothing is left once a job ended.
+        """
+        return None
 
 
 def runtime_settings(plan: Plan, *, job_name: str, instance_type: str,

@@ -13,7 +13,8 @@ the job's tags (its S3 prefix and launch token included), nodes write
 terminates every node and deletes the groups dtrain created. A job that ends on its own leaves
 nothing behind either: the ``status`` call that sees it end deletes the groups dtrain created for
 it, one try per call (a security group stays in use while the nodes' network interfaces detach),
-and keeps what happened in the record's ``cleanup`` so later calls know whether to try again.
+and keeps what happened in the record's ``cleanup`` so later calls know whether to try again;
+``pending_cleanup`` tells a caller waiting for the job what is still to go.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dtrain.errors import DtrainError
 from dtrain.launcher import aws
 from dtrain.launcher import ec2_requests as req
 from dtrain.launcher import ec2_resources as res
-from dtrain.launcher.base import Launcher
+from dtrain.launcher.base import Launcher, PendingCleanup
 from dtrain.store import (
     FAILED,
     FINAL_STATUSES,
@@ -80,6 +81,9 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
                                 region=region, stream=stream, clock=clock, sleep=sleep)
         self.assume_yes = assume_yes
         self.confirm = confirm
+        # jobs whose groups this launcher already said are not removed yet: a caller waiting
+        # for the removal polls status every few seconds and needs that line once, not each time
+        self._told_pending: set[str] = set()
 
     # ---------------------------------------------------------------- request
 
@@ -310,6 +314,24 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
 
     # ---------------------------------------------------------------- groups of ended jobs
 
+    def pending_cleanup(self, record: JobRecord) -> PendingCleanup | None:
+        """The groups of an ended job that ``status`` still tries to remove, from the record."""
+        if not record.is_final or not cleanup_pending(record):
+            return None
+        facts = record.target_data or {}
+        cleanup = facts.get("cleanup") or {}
+        kinds = {facts.get("security_group_id"): "security group",
+                 facts.get("placement_group"): "placement group"}
+        left = [f"{kinds[name]} {name}" if name in kinds else name
+                for name in cleanup.get("left", [])]
+        nodes = cleanup.get("nodes_left") or 0
+        if nodes:
+            once = "the node has terminated" if nodes == 1 else f"the {nodes} nodes have terminated"
+        else:
+            once = "EC2 releases them" + (f" ({cleanup['reason']})" if cleanup.get("reason") else "")
+        return PendingCleanup(what=join_names(left) or "the groups dtrain created for it",
+                              once=once, retry_hint=retry_hint(record))
+
     def _retry_cleanup(self, record: JobRecord, store: JobStore) -> JobRecord:
         """An ended job whose groups were still in use last time: one more try."""
         if not cleanup_pending(record):
@@ -338,16 +360,18 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
             return {"state": "done", "removed": removed}
         what = ", ".join(removal.left)
         if removal.retry and now - first_try < CLEANUP_RETRY_S:
-            self.out.write(f"{record.name} ended: {what} not removed yet ({removal.reason}); "
-                           f"`dtrain status {record.id}` tries again, or run `dtrain ec2 gc`\n")
+            if record.id not in self._told_pending:
+                self.out.write(f"{record.name} ended: {what} not removed yet ({removal.reason}); "
+                               f"{retry_hint(record)}\n")
+                self._told_pending.add(record.id)
             state = "pending"
         else:
             self.out.write(f"{record.name} ended: could not remove {what} ({removal.reason}); "
                            "run `dtrain ec2 gc`\n")
             state = "left-for-gc"
         return {"state": state, "removed": removed, "left": removal.left,
-                "reason": removal.reason, "first_try_at": first_try,
-                "tries": previous.get("tries", 0) + 1}
+                "reason": removal.reason, "nodes_left": removal.nodes_left,
+                "first_try_at": first_try, "tries": previous.get("tries", 0) + 1}
 
     def _teardown_cleanup(self, created: res.Created, left: list[str]) -> dict[str, Any]:
         """The cleanup entry after a blocking teardown (failed launch, stop)."""
@@ -367,6 +391,15 @@ def cleanup_pending(record: JobRecord) -> bool:
     """
     cleanup = (record.target_data or {}).get("cleanup")
     return cleanup is None or cleanup.get("state") == "pending"
+
+
+def retry_hint(record: JobRecord) -> str:
+    return f"`dtrain status {record.id}` tries again, or run `dtrain ec2 gc`"
+
+
+def join_names(names: list[str]) -> str:
+    """Names as one phrase: "a", "a and b", "a, b and c"."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), *names[-1:]]))
 
 
 def store_status(current: dict[str, Any]) -> str | None:

@@ -180,6 +180,7 @@ class Removal:
     left: list[str] = field(default_factory=list)
     reason: str | None = None
     retry: bool = True  # False: EC2 refused for a reason waiting will not fix
+    nodes_left: int = 0  # nodes of the launch not terminated yet: nothing was tried
 
 
 def remove_groups(ec2: Any, job: str, *, launch: str | None) -> Removal:
@@ -197,7 +198,8 @@ def remove_groups(ec2: Any, job: str, *, launch: str | None) -> Removal:
                  for n in found.placement_groups])
     if found.instances:
         result.left = [name for name, _ in groups]
-        result.reason = f"{len(found.instances)} node(s) not terminated yet"
+        result.nodes_left = len(found.instances)
+        result.reason = f"{result.nodes_left} node(s) not terminated yet"
         return result
     for name, delete in groups:
         error = _delete_once(delete)

@@ -112,7 +112,8 @@ def _print_transition(record: Any) -> None:
 @click.command()
 @spec_options
 @click.option("--wait/--no-wait", default=True, show_default=True,
-              help="Wait for the job to end (and exit 1 unless it completed).")
+              help="Wait for the job to end (and exit 1 unless it completed); on EC2, then up "
+                   "to 5 min more until its nodes have terminated and its groups are removed.")
 @click.option("--follow", "-f", is_flag=True, help="Stream every log line while it runs.")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the request that would be sent; "
               "run nothing.")

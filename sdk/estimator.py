@@ -87,7 +87,8 @@ class Estimator:
 
     def fit(self, inputs: str | dict[str, str] | None = None, *, wait: bool = True,
             follow: bool = False) -> JobRecord:
-        """Submit the job; with ``wait`` return once it ended (check ``.status``)."""
+        """Submit the job; with ``wait`` return once it ended (check ``.status``) and its
+        target removed what it created for it (EC2: its groups, at most 5 min more)."""
         from dtrain import jobs
 
         self.latest_job = jobs.submit(self.spec(inputs), wait=wait, follow=follow,

@@ -1,11 +1,13 @@
 """Target-agnostic job operations used by the CLI and ``Estimator``.
 
 ``submit`` goes spec -> plan -> backend request -> backend; everything after submission works
-from the job store, so ``get``/``logs``/``stop``/``wait`` treat every target alike.
+from the job store, so ``get``/``logs``/``stop``/``wait`` treat every target alike. Waiting ends
+when the job has ended and its target has removed what it made for it (``pending_cleanup``).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,9 @@ if TYPE_CHECKING:
     from dtrain.spec import JobSpec
 
 POLL_S = 0.5
+# How long a wait goes on after the job ended for its target to remove what it created (EC2: the
+# groups, once the nodes that powered off have terminated, which normally takes about a minute).
+CLEANUP_SETTLE_S = 300.0
 
 
 def _launcher(target: str, clients: dict[str, Any] | None = None) -> Launcher:
@@ -36,7 +41,8 @@ def build_request(spec: JobSpec, *, clients: dict[str, Any] | None = None) -> di
 def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: bool = False,
            store: JobStore | None = None, clients: dict[str, Any] | None = None,
            on_line: Callable[[str], None] | None = None) -> JobRecord | dict[str, Any]:
-    """Run ``spec``. Returns the request (dry run) or the job record (final one when waiting).
+    """Run ``spec``. Returns the request (dry run) or the job record (final one when waiting,
+    which also waits for the target to remove what it created for the job; see ``wait_for``).
 
     ``on_line`` receives each log line while waiting with ``follow``.
     """
@@ -86,12 +92,23 @@ def stop(job: str, *, wait: bool = False, store: JobStore | None = None,
     return record
 
 
+def note_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any] | None = None,
              timeout_s: float | None = None, poll_s: float = POLL_S,
-             on_status: Callable[[JobRecord], None] | None = None) -> JobRecord:
+             settle_s: float = CLEANUP_SETTLE_S,
+             on_status: Callable[[JobRecord], None] | None = None,
+             on_note: Callable[[str], None] = note_to_stderr) -> JobRecord:
     """Poll until the job reaches Completed, Failed or Stopped; returns the final record.
 
     ``on_status`` is called whenever the status or the target's secondary status changes.
+    When the job has ended but its target still has to remove what it created for it (EC2: the
+    security and placement groups, once the nodes have terminated), polling goes on until that is
+    done or given up on, for up to ``settle_s``, so nothing is left behind when this returns.
+    ``on_note`` gets a line saying what it waits for, and one if that took longer or was
+    interrupted (Ctrl-C); either way the job's own final record is returned.
     """
     store = store or JobStore()
     record = store.find(job)
@@ -105,11 +122,36 @@ def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any]
             on_status(record)
         last = seen
         if record.is_final:
-            return record
+            return _settle(launcher, record, store=store, poll_s=poll_s, settle_s=settle_s,
+                           on_note=on_note)
         if deadline is not None and time.monotonic() > deadline:
             raise DtrainError(f"job {record.id} still {record.status} after {timeout_s:g} s; "
                               f"check `dtrain status {record.id}` or `dtrain stop {record.id}`")
         time.sleep(poll_s)
+
+
+def _settle(launcher: Launcher, record: JobRecord, *, store: JobStore, poll_s: float,
+            settle_s: float, on_note: Callable[[str], None]) -> JobRecord:
+    """Poll an ended job's target while it is removing what it created (status retries it)."""
+    pending = launcher.pending_cleanup(record)
+    if pending is None:
+        return record
+    on_note(f"{record.status}; removing {pending.what} once {pending.once}…")
+    deadline = time.monotonic() + settle_s
+    try:
+        while pending is not None:
+            if time.monotonic() >= deadline:
+                on_note(f"warning: {pending.what} still not removed after {settle_s:g} s "
+                        f"(waiting until {pending.once}); {pending.retry_hint}")
+                return record
+            time.sleep(poll_s)
+            record = launcher.status(store.get(record.id), store=store)
+            pending = launcher.pending_cleanup(record)
+    except KeyboardInterrupt:  # the job is over: Ctrl-C only gives up waiting for the removal
+        if pending is not None:
+            on_note(f"stopped waiting: {pending.what} not removed yet; {pending.retry_hint}")
+        return store.get(record.id)
+    return record
 
 
 wait = wait_for

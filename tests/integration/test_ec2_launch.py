@@ -1,5 +1,5 @@
 """The EC2 backend against moto: launch a 2-node p4d job, stop it, let it finish, fail half-way,
-gc leftovers.
+gc leftovers, wait for a job until its groups are gone.
 
 moto implements instances, security groups, subnets, IAM and S3 but not placement groups, and it
 accepts EFA interface types and capacity reservations without modelling them. ``PlacementGroups``
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -450,3 +451,105 @@ def test_dtrain_status_of_a_job_that_ended_removes_its_groups_and_says_so(aws):
     assert "status    Completed" in shown.stdout
     assert f"removed {record.target_data['security_group_id']}" in shown.stderr
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
+
+
+# ---------------------------------------------------------------- waiting for a job to end
+
+def wait_clients(aws, out) -> dict:
+    """What ``dtrain.jobs`` passes to the EC2 launcher it builds: the test's moto clients."""
+    return {"ec2_client": aws["ec2"], "s3_client": aws["s3"], "region": REGION, "stream": out}
+
+
+def on_describe_instances(client, *, at: int, do) -> list[int]:
+    """Call ``do()`` right after the ``at``-th DescribeInstances answer (how the test lets nodes
+    power off, or the user press Ctrl-C, between two of the waiter's polls)."""
+    seen: list[int] = []
+
+    def handler(**_):
+        seen.append(len(seen) + 1)
+        if len(seen) == at:
+            do()
+    client.meta.events.register("after-call.ec2.DescribeInstances", handler)
+    return seen
+
+
+def test_waiting_goes_on_after_completed_until_the_nodes_terminated_and_the_groups_are_gone(aws):
+    from dtrain import jobs
+
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    group, pg = record.target_data["security_group_id"], record.target_data["placement_group"]
+    finish_nodes(aws, record, power_off=False)  # "completed" is written, the nodes shut down
+    other = boto3.client("ec2", region_name=REGION)  # the nodes' own power-off, not the waiter's
+    # looks 1-2: the status call that sees Completed; 3-4: two more polls while nodes still run
+    looks = on_describe_instances(aws["ec2"], at=4, do=lambda: other.terminate_instances(
+        InstanceIds=record.target_data["instance_ids"]))
+    notes, out = [], io.StringIO()
+    final = jobs.wait_for(record.id, clients=wait_clients(aws, out), poll_s=0.01,
+                          on_note=notes.append)
+    assert final.status == "Completed" and final.target_data["cleanup"]["state"] == "done"
+    assert len(looks) >= 5  # it did not return at Completed, but once the nodes were gone
+    assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
+    assert notes == [(f"Completed; removing security group {group} and placement group {pg} "
+                      "once the 2 nodes have terminated…")]
+    said = out.getvalue()
+    assert said.count("not removed yet") == 1  # said once, not on every poll
+    assert f"removed {group}, {pg}" in said
+
+
+def test_waiting_for_the_groups_is_bounded_and_a_completed_job_stays_completed(aws):
+    from dtrain import jobs
+
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    group = record.target_data["security_group_id"]
+    finish_nodes(aws, record, power_off=False)  # and the nodes never terminate
+    notes, out = [], io.StringIO()
+    started = time.monotonic()
+    final = jobs.wait_for(record.id, clients=wait_clients(aws, out), poll_s=0.01, settle_s=0.5,
+                          on_note=notes.append)
+    assert time.monotonic() - started < 30
+    assert final.status == "Completed" and final.failure_reason is None
+    assert final.target_data["cleanup"]["state"] == "pending"  # the next status call retries
+    assert len(notes) == 2 and notes[1] == (
+        f"warning: security group {group} and placement group "
+        f"{record.target_data['placement_group']} still not removed after 0.5 s (waiting until "
+        f"the 2 nodes have terminated); `dtrain status {record.id}` tries again, or run "
+        "`dtrain ec2 gc`")
+    assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [group]
+
+
+def test_ctrl_c_while_waiting_for_the_groups_returns_the_ended_job_and_says_who_retries(aws):
+    from dtrain import jobs
+
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    finish_nodes(aws, record, state="failed", power_off=False)
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    on_describe_instances(aws["ec2"], at=4, do=ctrl_c)  # during the second poll after Failed
+    notes = []
+    final = jobs.wait_for(record.id, clients=wait_clients(aws, io.StringIO()), poll_s=0.01,
+                          on_note=notes.append)
+    assert final.status == "Failed" and final.target_data["cleanup"]["state"] == "pending"
+    assert notes[-1].startswith("stopped waiting: security group ")
+    assert notes[-1].endswith(f"not removed yet; `dtrain status {record.id}` tries again, "
+                              "or run `dtrain ec2 gc`")
+
+
+def test_waiting_for_a_local_job_ends_with_the_job_there_is_nothing_to_remove(tmp_path):
+    from dtrain import jobs
+
+    (tmp_path / "train.py").write_text("print('done')\n")
+    spec = JobSpec.from_dict({"name": "local-wait", "entry_point": "train.py",
+                              "source_dir": str(tmp_path),
+                              "compute": {"instance_type": "local", "max_run": 60}})
+    notes = []
+    record = jobs.wait_for(jobs.submit(spec, wait=False).id, poll_s=0.05, on_note=notes.append)
+    assert record.status == "Completed", record.failure_reason
+    started = time.monotonic()  # a poll after the end would sleep poll_s first
+    again = jobs.wait_for(record.id, poll_s=60, settle_s=60, on_note=notes.append)
+    assert time.monotonic() - started < 10 and again.status == "Completed"
+    assert notes == []
