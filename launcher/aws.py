@@ -37,12 +37,13 @@ def make_client(service: str, *, region: str | None = None) -> Any:
     """A boto3 client with adaptive retries; ``AWS_ENDPOINT_URL`` is honoured by boto3 itself."""
     import boto3
     from botocore.config import Config
+    from botocore.exceptions import BotoCoreError
 
     config = Config(retries={"mode": "adaptive", "max_attempts": 10},
                     user_agent_extra="dtrain")
     try:
         return boto3.client(service, region_name=resolve_region(region), config=config)
-    except Exception as exc:  # NoRegionError and friends: one line, with the fix
+    except (BotoCoreError, ValueError) as exc:  # NoRegionError, ProfileNotFound, a bad endpoint
         raise DtrainError(f"cannot create the AWS {service} client: {exc}; set sagemaker.region "
                           "or AWS_REGION, and AWS credentials") from None
 

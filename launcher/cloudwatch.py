@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 SAGEMAKER_LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 _RANK_PREFIX = re.compile(r"^\[\S+ (\d+)\]:")

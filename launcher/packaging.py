@@ -157,7 +157,7 @@ def _package_dir(name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise DtrainError(f"cannot find the installed {name} package to build the runtime wheel; "
                           "reinstall dtrain (pip install -e . or pip install dtrain)")
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _wheel_files() -> list[tuple[str, Path]]:
@@ -281,7 +281,7 @@ def delete_objects(s3: Any, uris: list[str]) -> None:
         bucket, key = parse_s3_uri(uri)
         try:
             s3.delete_object(Bucket=bucket, Key=key)
-        except Exception:  # cleanup must not hide the error that triggered it
+        except Exception:  # noqa: BLE001, S110 - cleanup must not hide the error that triggered it
             pass
 
 

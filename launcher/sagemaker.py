@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterator
+from typing import IO, TYPE_CHECKING, Any
 
 from dtrain.errors import DtrainError
 from dtrain.launcher import aws, packaging
@@ -154,27 +155,34 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
 
     def default_output_path(self) -> str:
         """``s3://sagemaker-<region>-<account>/``, created if missing, as the SageMaker SDK does."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         sts = self.client("sts")
         try:
             account = sts.get_caller_identity()["Account"]
-        except Exception as exc:
+        except (ClientError, BotoCoreError) as exc:
             raise aws.as_dtrain_error(exc, "GetCallerIdentity") from None
         region = aws.resolve_region(self.region) or sts.meta.region_name
         bucket = f"sagemaker-{region}-{account}"
         s3 = self.client("s3")
         try:
             s3.head_bucket(Bucket=bucket)
-        except Exception:
+        except (ClientError, BotoCoreError) as exc:
+            # only a missing bucket is created, as the SageMaker SDK does; a 403 is reported
+            if aws.error_code(exc) not in ("404", "NoSuchBucket"):
+                raise aws.as_dtrain_error(exc, f"checking bucket {bucket}") from None
             config = {} if region == "us-east-1" else {
                 "CreateBucketConfiguration": {"LocationConstraint": region}}
             s3.create_bucket(Bucket=bucket, **config)
         return f"s3://{bucket}"
 
     def _check_bucket(self, output_path: str) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
         bucket, _ = packaging.parse_s3_uri(output_path)
         try:
             self.client("s3").head_bucket(Bucket=bucket)
-        except Exception as exc:
+        except (ClientError, BotoCoreError) as exc:
             code = aws.error_code(exc)
             if code in ("404", "NoSuchBucket"):
                 raise DtrainError(f"output_path: bucket {bucket!r} does not exist; create it "

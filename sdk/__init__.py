@@ -22,7 +22,10 @@ _LAZY = {
     "instances": "dtrain.instances",
 }
 
-__all__ = ["__version__", *_LAZY]
+# spelled out (not built from _LAZY) so linters and IDEs can read it; a unit test keeps the two
+# in step
+__all__ = ["DtrainError", "Estimator", "JobSpec", "Plan", "SpecError", "__version__",
+           "instances", "plan"]
 
 
 def __getattr__(name: str) -> Any:

@@ -156,7 +156,7 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
     params = work.num_parameters * work.compute_bytes / units  # one unit's all-gather
     grads = work.num_parameters * GRAD_REDUCE_BYTES / units
     nodes, per_node = group_layout(degree, stride=1, gpus_per_node=gpn)
-    shape = dict(ranks=degree, nodes=nodes, per_node=per_node, cluster=cluster)
+    shape = {"ranks": degree, "nodes": nodes, "per_node": per_node, "cluster": cluster}
 
     micro = Traffic()
     if degree > 1:

@@ -34,15 +34,15 @@ def render_plan(plan: Plan) -> str:
         ["world size", f"{plan.world_size} ({plan.num_nodes} nodes × {plan.processes_per_node})"],
         ["mesh replicate × shard", mesh],
         ["partition group in one node", within],
-        ["backend", f"{plan.backend} (hierarchical all-gather: "
-                    f"{'on' if plan.hierarchical_allgather else 'off'})"],
+        ["backend", (f"{plan.backend} (hierarchical all-gather: "
+                     f"{'on' if plan.hierarchical_allgather else 'off'})")],
         ["mixed precision", plan.mixed_precision],
         ["grad accumulation", str(spec.distribution.gradient_accumulation_steps)],
     ]
     if plan.model:
         m = plan.model
-        rows.append(["model", f"{m.source}: {m.num_parameters / 1e6:,.1f}M params, "
-                              f"seq {m.seq_len}, micro-batch {m.micro_batch_size}"])
+        rows.append(["model", (f"{m.source}: {m.num_parameters / 1e6:,.1f}M params, "
+                               f"seq {m.seq_len}, micro-batch {m.micro_batch_size}")])
     if plan.memory:
         mem = plan.memory
         rows.append(["memory per device", f"{mem.total_gib:.1f} GiB = states "
@@ -50,8 +50,8 @@ def render_plan(plan: Plan) -> str:
                      f"{mem.unsharded_layers_gib:.1f} + activations {mem.activation_gib:.1f}"
                      + (f" (of {mem.device_gib:.0f} GiB)" if mem.device_gib else "")])
     rows += [
-        ["$/hour", f"{_money(plan.cost_per_hour)} ({plan.num_nodes} × "
-                   f"{_money(plan.price_per_hour)}, prices of {plan.instance.price_date})"],
+        ["$/hour", (f"{_money(plan.cost_per_hour)} ({plan.num_nodes} × "
+                    f"{_money(plan.price_per_hour)}, prices of {plan.instance.price_date})")],
         [f"$ for max_run ({spec.compute.max_run / 3600:g} h)", _money(plan.max_run_cost)],
     ]
     out = [table(rows)]

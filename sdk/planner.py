@@ -256,7 +256,7 @@ def _first(hps: dict, names: tuple[str, ...], config: dict) -> Any:
 
 def _hidden_from_count(num: int) -> int:
     # A GPT-style model with about 100 layers per 10k hidden; rough but only used for latency.
-    return max(64, int(round((num / 1.2e-3) ** (1 / 3) / 64)) * 64)
+    return max(64, round((num / 1.2e-3) ** (1 / 3) / 64) * 64)
 
 
 def memory_estimate(model: ModelShape, work: costmodel.Workload, inst: instances.InstanceType,

@@ -251,9 +251,9 @@ def to_model_trainer(spec: Any) -> Any:
             max_wait_time_in_seconds=stop.get("MaxWaitTimeInSeconds"))),
         output_data_config=configs.OutputDataConfig(**_kw(
             s3_output_path=output["S3OutputPath"], kms_key_id=output.get("KmsKeyId"))),
-        checkpoint_config=configs.CheckpointConfig(**{
-            "s3_uri": request["CheckpointConfig"]["S3Uri"],
-            "local_path": request["CheckpointConfig"]["LocalPath"]}),
+        checkpoint_config=configs.CheckpointConfig(
+            s3_uri=request["CheckpointConfig"]["S3Uri"],
+            local_path=request["CheckpointConfig"]["LocalPath"]),
         networking=configs.Networking(**_kw(
             subnets=vpc.get("Subnets"), security_group_ids=vpc.get("SecurityGroupIds"),
             enable_network_isolation=request["EnableNetworkIsolation"])),

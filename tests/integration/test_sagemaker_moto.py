@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 from botocore.exceptions import ClientError
-
 from dtrain.errors import DtrainError
 from dtrain.launcher.sagemaker import SageMakerLauncher
 from dtrain.planner import plan
@@ -180,6 +179,21 @@ def test_missing_bucket_fails_before_any_upload(moto_aws, tmp_path):  # noqa: F8
     with pytest.raises(DtrainError, match=f"bucket '{BUCKET}' does not exist; create it"):
         launcher.submit(request, store=JobStore())
     assert moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"] == []
+
+
+def test_forbidden_default_bucket_is_one_line_and_never_created(moto_aws):  # noqa: F811
+    # 403: another account owns the name, or s3:ListBucket is missing; only a 404 creates it
+    s3, created = moto_aws.s3, []
+
+    def forbidden(**_):
+        raise ClientError({"Error": {"Code": "403", "Message": "Forbidden"}}, "HeadBucket")
+
+    s3.meta.events.register("before-call.s3.HeadBucket", forbidden)
+    s3.meta.events.register("before-call.s3.CreateBucket", lambda **_: created.append(True))
+    with pytest.raises(DtrainError, match="checking bucket sagemaker-us-east-1-123456789012 "
+                                          "failed: 403: Forbidden"):
+        SageMakerLauncher(s3_client=s3).default_output_path()
+    assert created == []
 
 
 @pytest.mark.parametrize("code", ["ResourceLimitExceeded", "ValidationException"])

@@ -37,3 +37,11 @@ def test_validate_and_plan_load_no_torch_or_sagemaker(tmp_path):
             "    try:\n        main(args)\n    except SystemExit:\n        pass")
     loaded = modules_after(code)
     assert not {m for m in loaded if m.split(".")[0] in ("torch", "sagemaker")}
+
+
+def test_dunder_all_lists_every_lazy_public_name_and_each_resolves():
+    import dtrain
+
+    assert sorted(dtrain.__all__) == sorted(["__version__", *dtrain._LAZY])
+    for name in dtrain.__all__:
+        assert getattr(dtrain, name) is not None, name

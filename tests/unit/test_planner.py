@@ -117,7 +117,7 @@ class TestAutoShardingDegree:
     def test_smallest_node_aligned_group_that_fits_with_headroom(self):
         # 40 GiB GPUs, 20 % headroom → 32 GiB budget; 10e9 params × 16 B = 160e9 B.
         choose = partitioning.choose_sharding_degree
-        kw = dict(world_size=16, gpus_per_node=8, device_memory_bytes=40 * 2**30)
+        kw = {"world_size": 16, "gpus_per_node": 8, "device_memory_bytes": 40 * 2**30}
         assert choose(num_parameters=int(10e9), **kw) == 8  # 20e9 B at 8; 40e9 B at 4
         assert choose(num_parameters=int(3e9), **kw) == 2  # 24e9 B at 2 < 34.4e9 B
         assert choose(num_parameters=int(1e9), **kw) == 1

@@ -7,7 +7,6 @@ import tarfile
 import zipfile
 
 import pytest
-
 from dtrain.errors import DtrainError
 from dtrain.launcher import packaging
 

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from dtrain.errors import DtrainError
 from dtrain.launcher.sagemaker import SageMakerLauncher
 from dtrain.planner import plan
