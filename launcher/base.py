@@ -41,6 +41,9 @@ class Launcher(ABC):
     """One target (local processes, SageMaker training jobs, EC2 instances)."""
 
     name: str
+    # How often a waiting client asks ``status``: the cloud targets' describe calls are
+    # rate-limited per account, so they override this with seconds, not half-seconds.
+    poll_s: float = 0.5
 
     @abstractmethod
     def build_request(self, plan: Plan) -> dict[str, Any]:

@@ -71,6 +71,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
     """
 
     name = "ec2"
+    poll_s = 10.0  # each status is a DescribeInstances and a few S3 reads
 
     def __init__(self, *, ec2_client: Any = None, s3_client: Any = None, ssm_client: Any = None,
                  region: str | None = None, stream: IO[str] | None = None,

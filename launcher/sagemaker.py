@@ -84,6 +84,7 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
     """
 
     name = "sagemaker"
+    poll_s = 10.0
 
     def __init__(self, *, sagemaker_client: Any = None, s3_client: Any = None,
                  logs_client: Any = None, region: str | None = None,

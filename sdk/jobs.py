@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from dtrain.launcher.base import Launcher
     from dtrain.spec import JobSpec
 
-POLL_S = 0.5
 # How long a wait goes on after the job ended for its target to remove what it created (EC2: the
 # groups, once the nodes that powered off have terminated, which normally takes about a minute).
 CLEANUP_SETTLE_S = 300.0
@@ -97,12 +96,13 @@ def note_to_stderr(line: str) -> None:
 
 
 def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any] | None = None,
-             timeout_s: float | None = None, poll_s: float = POLL_S,
+             timeout_s: float | None = None, poll_s: float | None = None,
              settle_s: float = CLEANUP_SETTLE_S,
              on_status: Callable[[JobRecord], None] | None = None,
              on_note: Callable[[str], None] = note_to_stderr) -> JobRecord:
     """Poll until the job reaches Completed, Failed or Stopped; returns the final record.
 
+    ``poll_s`` defaults to the target's own interval (half a second locally, ten on AWS).
     ``on_status`` is called whenever the status or the target's secondary status changes.
     When the job has ended but its target still has to remove what it created for it (EC2: the
     security and placement groups, once the nodes have terminated), polling goes on until that is
@@ -113,6 +113,7 @@ def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any]
     store = store or JobStore()
     record = store.find(job)
     launcher = _launcher(record.target, clients)
+    poll_s = launcher.poll_s if poll_s is None else poll_s
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last = None
     while True:
