@@ -9,12 +9,19 @@ where torch keeps no allocator statistics: it is the growth of the process's pea
 (``ru_maxrss``) over the forward+backward, measured after the layer was built and warmed up on a
 short sequence. Time is the best of ``--repeats`` forward+backward passes after that first one.
 On CUDA (``--device cuda``) the allocator's peak statistics are used instead.
+
+The children run with glibc's mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``, the
+same for every backend): by default the threshold slides up as large blocks are freed, so later
+tensors of up to 32 MiB come from the heap, whose freed pages stay resident, and the peak RSS
+depends on allocation history (+-10 % between identical runs). With the threshold fixed, each
+tensor's pages are returned when it is freed and the peak RSS follows the peak of live memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -75,7 +82,8 @@ def _run_child(args: argparse.Namespace, backend: str, seq: int) -> dict:
                "--hidden", str(args.hidden), "--heads", str(args.heads),
                "--repeats", str(args.repeats), "--device", args.device]
     command += ["--attention-only"] if args.attention_only else []
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}  # see the module docstring
+    result = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if result.returncode != 0:
         return {"backend": backend, "seq": seq, "error": result.stderr.strip().splitlines()[-1]}
     return json.loads(result.stdout.strip().splitlines()[-1])
