@@ -19,8 +19,10 @@ import time
 from dataclasses import dataclass
 
 from dtrain import contract as c
+from torch.distributed import launcher
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 logger = logging.getLogger("dtrain.runtime.agent")
@@ -28,10 +30,6 @@ logger = logging.getLogger("dtrain.runtime.agent")
 DEFAULT_GRACE_PERIOD_S = 30
 GRACE_PERIOD_ENV = "DTRAIN_STOP_GRACE_PERIOD"
 FAILURE_TAIL_LINES = 20
-
-
-class MaxRunReached(Exception):
-    pass
 
 
 @dataclass(frozen=True)
@@ -207,14 +205,42 @@ def describe_child_failure(contract: c.Contract, error: ChildFailedError) -> dic
     }
 
 
-def is_interruption(error: ChildFailedError) -> bool:
+def is_interruption(failures: dict[int, ProcessFailure]) -> bool:
     """Whether this host's workers stopped after a checkpoint (not a crash).
 
     True when some worker exited with ``PREEMPTED_EXIT_CODE`` and the rest did too or died of
     SIGTERM: torch elastic SIGTERMs a host's remaining workers as soon as one has exited.
     """
-    codes = {failure.exitcode for failure in error.failures.values()}
+    codes = {failure.exitcode for failure in failures.values()}
     return c.PREEMPTED_EXIT_CODE in codes and codes <= {c.PREEMPTED_EXIT_CODE, -signal.SIGTERM}
+
+
+class InterruptionAwareAgent(LocalElasticAgent):
+    """torch's local agent, except that an interruption is not a failure to restart.
+
+    With ``max_restarts`` > 0 torch elastic would restart workers that stopped after a checkpoint
+    because another host got SIGTERM; the restarted group then waits at the rendezvous for that
+    host, which is gone, and the job hangs. Spending no restarts on it ends this agent with the
+    interruption instead, which ``run`` reports as one.
+    """
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed() and is_interruption(result.failures):
+            self._remaining_restarts = 0
+        return result
+
+
+def _launch(config: LaunchConfig, command: WorkerCommand) -> None:
+    """``elastic_launch`` with :class:`InterruptionAwareAgent` as the agent it builds."""
+    # launch_agent constructs the agent by this module-level name; the agent process runs
+    # one launch at a time, so swapping it for the call is safe.
+    original = launcher.api.LocalElasticAgent
+    launcher.api.LocalElasticAgent = InterruptionAwareAgent
+    try:
+        elastic_launch(config, command.executable)(*command.args)
+    finally:
+        launcher.api.LocalElasticAgent = original
 
 
 def describe_interruption(contract: c.Contract, *, since: float) -> dict:
@@ -307,10 +333,10 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
                 contract.node_rank, len(contract.hosts), config.nproc_per_node, command.args[3:])
     started = time.time()
     try:
-        elastic_launch(config, command.executable)(*command.args)
+        _launch(config, command)
         return 0
     except ChildFailedError as exc:
-        if is_interruption(exc):
+        if is_interruption(exc.failures):
             write_failure(contract.paths, describe_interruption(contract, since=started))
             return c.PREEMPTED_EXIT_CODE
         write_failure(contract.paths, describe_child_failure(contract, exc))

@@ -40,12 +40,13 @@ HYPERPARAMETERS = {
 }
 
 
-def write_job(root: Path, hyperparameters: dict) -> None:
+def write_job(root: Path, hyperparameters: dict, *, max_restarts: int = 0) -> None:
     for host in HOSTS:
         c.write_host_contract(
             str(root / host), current_host=host, hosts=HOSTS,
             settings=c.Settings(entry_point="recipe:causal_lm", job_name="preempt",
-                                processes_per_host=2, distribution={"sharding_degree": 2}),
+                                processes_per_host=2, distribution={"sharding_degree": 2},
+                                max_restarts=max_restarts),
             hyperparameters=hyperparameters, checkpoint_local_path=str(root / "checkpoints"))
 
 
@@ -150,3 +151,28 @@ def test_restart_resumes_from_exactly_the_stop_step(preempted):
     assert f"resumed from {root / 'checkpoints' / step_dir_name(step)} at step {step}" in log
     assert logged_steps(log.split("resumed from", 1)[1]) == [step + 1, step + 2]
     assert (root / HOSTS[0] / "model" / "model.safetensors").is_file()
+
+
+def test_an_interruption_is_not_restarted_even_with_max_restarts(tmp_path, live_processes):
+    # torch elastic would restart the other host's workers after their 143 exits, and the new
+    # group would wait at the rendezvous for the interrupted host forever (this test then times
+    # out); the agent spends no restart on an interruption.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 3)
+    write_job(tmp_path, {**HYPERPARAMETERS, "data": str(corpus)}, max_restarts=1)
+    agents = start_agents(tmp_path)
+    try:
+        w.wait_for(lambda: len(logged_steps(rank0_log(tmp_path))) >= 2, timeout=120,
+                   procs=agents)
+        agents[1].send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        codes = [agent.wait(timeout=GRACE_S + 30) for agent in agents]
+        stop_seconds = time.monotonic() - signalled
+    finally:
+        stop_group(agents)
+    assert codes == [PREEMPTED_EXIT_CODE, 128 + signal.SIGTERM]
+    assert stop_seconds < GRACE_S
+    details = json.loads(Path(c.Paths(str(tmp_path / HOSTS[0])).failure_details_file).read_text())
+    assert details["reason"] == "interrupted"
+    assert not (tmp_path / HOSTS[0] / "output" / "logs" / "rank-0.attempt-1.stdout.log").exists()
+    assert live_processes(str(tmp_path)) == []
