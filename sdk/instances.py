@@ -9,6 +9,7 @@ override them with ``compute.price_per_hour``.
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import asdict, dataclass
 
 PRICE_DATE = "2025-05"
@@ -88,6 +89,18 @@ _CATALOG = [
 CATALOG: dict[str, InstanceType] = {t.name: t for t in _CATALOG}
 # Nominal compute of one CPU worker process, used only to estimate local step times.
 LOCAL_CPU_TFLOPS = 0.1
+
+
+def gpu_peak_tflops(device_name: str) -> float:
+    """The catalog's peak half-precision TFLOP/s for a GPU named as the driver names it
+    (``torch.cuda.get_device_name``, e.g. "NVIDIA H100 80GB HBM3"), or 0 for a GPU the catalog
+    does not have. Matched on the model word ("H100", "A100", "A10G"), so a machine outside AWS
+    with a catalog GPU gets the same figure as the instance type that carries it."""
+    words = set(re.split(r"[^A-Z0-9]+", device_name.upper()))
+    for t in _CATALOG:
+        if t.gpu_model and t.gpu_model.split("-")[0].upper() in words:
+            return t.peak_tflops
+    return 0.0
 
 
 def canonical_name(name: str) -> str:

@@ -11,8 +11,10 @@ forward runs twice, so ×4/3 — this counts the hardware's work, as the planner
 
 ``tflops_per_gpu = flops_per_token × tokens_per_s / world_size / 1e12`` and
 ``mfu = tflops_per_gpu / peak``, where peak is the instance catalog's dense half-precision
-TFLOP/s for the job's instance type (``DTRAIN_INSTANCE_TYPE``, else ``SM_CURRENT_INSTANCE_TYPE``)
-or, when the catalog has no figure (the ``local`` CPU target), ``dtrain.instances.LOCAL_CPU_TFLOPS``
+TFLOP/s, the first of: ``DTRAIN_PEAK_TFLOPS`` (set it for a GPU the catalog lacks); the figure of
+the job's instance type (``DTRAIN_INSTANCE_TYPE``, else ``SM_CURRENT_INSTANCE_TYPE``); on a GPU
+with no such figure (``local_gpu``), the figure of the catalog GPU with the device's model name
+(SXM figures: a PCIe card's real peak is lower); else ``dtrain.instances.LOCAL_CPU_TFLOPS``
 (0.1 TFLOP/s per worker process, a nominal value: CPU MFU is only comparable with itself).
 
 Each logged step goes to stdout (rank 0) in ``dtrain.metrics_format``'s line, to
@@ -25,6 +27,7 @@ import json
 import os
 import resource
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -34,6 +37,7 @@ from dtrain.costmodel import flops_per_token
 from dtrain.metrics_format import format_metrics
 
 INSTANCE_TYPE_ENV = "DTRAIN_INSTANCE_TYPE"
+PEAK_TFLOPS_ENV = "DTRAIN_PEAK_TFLOPS"
 JSONL_NAME = "metrics.jsonl"
 
 
@@ -54,13 +58,28 @@ def instance_type_from_env() -> str:
 
 
 def peak_tflops(instance_type: str, *, device: torch.device) -> tuple[float, bool]:
-    """(peak TFLOP/s per device, whether it is the nominal CPU figure)."""
+    """(peak TFLOP/s per device, whether it is the nominal CPU figure); order in the module doc."""
+    override = os.environ.get(PEAK_TFLOPS_ENV)
+    if override:
+        try:
+            peak = float(override)
+        except ValueError:
+            peak = 0.0
+        if not peak > 0:
+            raise ValueError(f"{PEAK_TFLOPS_ENV}={override!r}: expected a positive number of "
+                             "TFLOP/s per device, e.g. 989 for an H100 SXM in bf16")
+        return peak, False
     try:
         peak = instances.get(instance_type).peak_tflops
     except ValueError:
         peak = 0.0
+    if peak <= 0 and device.type == "cuda":
+        peak = instances.gpu_peak_tflops(torch.cuda.get_device_name(device))
     if peak > 0:
         return peak, False
+    if device.type == "cuda":
+        warnings.warn(f"no peak TFLOP/s known for {torch.cuda.get_device_name(device)!r}: MFU "
+                      f"is against the nominal CPU figure; set {PEAK_TFLOPS_ENV}", stacklevel=2)
     return instances.LOCAL_CPU_TFLOPS, True
 
 

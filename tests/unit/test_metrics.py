@@ -28,7 +28,8 @@ def test_model_flops_per_token_counts_weights_and_attention(checkpointing, facto
                                    activation_checkpointing=checkpointing) == pytest.approx(expected)
 
 
-def test_mfu_uses_the_instance_catalog_peak_or_the_nominal_cpu_figure():
+def test_mfu_uses_the_instance_catalog_peak_or_the_nominal_cpu_figure(monkeypatch):
+    monkeypatch.delenv(m.PEAK_TFLOPS_ENV, raising=False)
     assert m.peak_tflops("ml.p4d.24xlarge", device=torch.device("cpu")) == (312, False)
     assert m.peak_tflops("local", device=torch.device("cpu")) == (instances.LOCAL_CPU_TFLOPS, True)
     out = m.throughput_metrics(tokens=1000, seconds=2.0, flops_per_token=1e9, world_size=4,
@@ -36,6 +37,34 @@ def test_mfu_uses_the_instance_catalog_peak_or_the_nominal_cpu_figure():
     assert out["tokens_per_s"] == 500
     assert out["tflops_per_gpu"] == pytest.approx(500 * 1e9 / 4 / 1e12)
     assert out["mfu"] == pytest.approx(out["tflops_per_gpu"] / 0.1)
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA A100-SXM4-40GB", 312), ("NVIDIA A10G", 70),
+    ("NVIDIA L40S", 362), ("Tesla V100-SXM2-16GB", 125), ("NVIDIA GeForce RTX 4090", 0.0),
+])
+def test_gpu_peak_is_read_from_the_catalog_by_model_name(name, peak):
+    assert instances.gpu_peak_tflops(name) == peak
+
+
+def test_a_local_gpu_gets_its_models_peak_not_the_cpu_figure(monkeypatch):
+    # local_gpu has no figure in the catalog; the device's name decides (no GPU here: the name
+    # lookup is the only CUDA call, so it is replaced).
+    monkeypatch.delenv(m.PEAK_TFLOPS_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert m.peak_tflops("local_gpu", device=torch.device("cuda", 0)) == (989, False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    with pytest.warns(UserWarning, match="DTRAIN_PEAK_TFLOPS"):
+        assert m.peak_tflops("local_gpu", device=torch.device("cuda", 0)) == (
+            instances.LOCAL_CPU_TFLOPS, True)
+
+
+def test_peak_override_wins_and_is_checked(monkeypatch):
+    monkeypatch.setenv(m.PEAK_TFLOPS_ENV, "500")
+    assert m.peak_tflops("ml.p4d.24xlarge", device=torch.device("cpu")) == (500.0, False)
+    monkeypatch.setenv(m.PEAK_TFLOPS_ENV, "fast")
+    with pytest.raises(ValueError, match="DTRAIN_PEAK_TFLOPS='fast'"):
+        m.peak_tflops("local", device=torch.device("cpu"))
 
 
 def test_logger_writes_parseable_lines_and_jsonl(tmp_path):
