@@ -13,7 +13,9 @@ Without a launcher (plain ``python train.py``) it runs as a one-process world.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +204,7 @@ def init(
     """
     config = DistributionConfig.resolve(distribution)
     facts = ProcessFacts.from_env()
+    _show_runtime_logs(facts.rank)
     cuda = torch.cuda.is_available()
     backend = resolve_backend(config.backend, cuda_available=cuda)
     device = torch.device("cuda", facts.local_rank) if backend == "nccl" else torch.device("cpu")
@@ -223,6 +226,20 @@ def init(
     if config.sharding_degree != "auto":
         ctx.build_mesh(config.sharding_degree)
     return ctx
+
+
+def _show_runtime_logs(rank: int) -> None:
+    """Send the runtime's INFO lines (the attention kernel each model uses) to stderr, which the
+    node agent keeps as the rank's log, unless the script has set up logging itself: a worker
+    is a fresh interpreter, where Python drops INFO records that no handler takes."""
+    runtime_logger = logging.getLogger("dtrain.runtime")
+    if logging.getLogger().handlers or runtime_logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s dtrain rank {rank} %(message)s"))
+    runtime_logger.addHandler(handler)
+    if runtime_logger.level == logging.NOTSET:
+        runtime_logger.setLevel(logging.INFO)
 
 
 def _init_process_group(

@@ -59,6 +59,11 @@ def test_masked_lm_job_on_four_sharded_ranks_learns_and_writes_a_loadable_hf_mod
             for line in (host / "output" / "data" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [4, 8, 12, 16]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+    # Each rank's log names the attention kernel its model ran (full windows, no padding mask,
+    # so the default flash backend runs SDPA's flash kernel on the CPU).
+    for rank in (0, 1):
+        log = (host / "output" / "logs" / f"rank-{rank}.stderr.log").read_text()
+        assert f"dtrain rank {rank} attention kernel: sdpa-flash (" in log, log[-2000:]
 
     model_dir = host / "model"
     config = json.loads((model_dir / "config.json").read_text())
