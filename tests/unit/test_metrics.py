@@ -78,6 +78,19 @@ def test_logger_writes_parseable_lines_and_jsonl(tmp_path):
     assert record == {"step": 12, "loss": 2.5, "tokens_per_s": 1234.5, "mfu": 0.25}
 
 
+def test_logger_writes_tensorboard_scalars_that_tensorboard_reads_back(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = m.MetricsLogger(output_dir=tmp_path, stream=io.StringIO())
+    logger.log(10, {"loss": 2.5, "mfu": 0.25})
+    logger.log(20, {"loss": 2.0, "mfu": 0.5})
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert sorted(events.Tags()["scalars"]) == ["train/loss", "train/mfu"]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(10, 2.5), (20, 2.0)]
+    assert [(e.step, e.value) for e in events.Scalars("train/mfu")] == [(10, 0.25), (20, 0.5)]
+
+
 def test_only_the_main_rank_writes(tmp_path):
     stream = io.StringIO()
     m.MetricsLogger(output_dir=tmp_path, enabled=False, stream=stream).log(1, {"loss": 1.0})
