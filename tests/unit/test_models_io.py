@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 
 import pytest
 import torch
 from dtrain.presets import get_preset
 from dtrain.runtime.models import build_model, from_preset, num_parameters
+from dtrain.runtime.models.common import _ACTIVATIONS
 from dtrain.runtime.models.hf_io import INDEX_NAME, WEIGHTS_NAME, load_pretrained, save_pretrained
 
 PRESETS = ["gpt-neox-tiny", "gpt2-tiny", "gpt-j-tiny", "gpt-neo-tiny", "bert-tiny", "roberta-tiny"]
@@ -33,6 +36,32 @@ def test_save_then_load_reproduces_logits_exactly(preset, tmp_path):
     inputs = _inputs()
     with torch.no_grad():
         assert torch.equal(loaded(**inputs), model(**inputs))
+
+
+def _copies(model):
+    return {"pickle": pickle.loads(pickle.dumps(model)), "deepcopy": copy.deepcopy(model)}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_pickled_and_deep_copied_models_give_identical_logits(preset):
+    torch.manual_seed(0)
+    model = from_preset(preset, attention="eager").eval()
+    inputs = _inputs()
+    with torch.no_grad():
+        expected = model(**inputs)
+        for how, copied in _copies(model).items():
+            assert torch.equal(copied(**inputs), expected), how
+
+
+@pytest.mark.parametrize("name", sorted(_ACTIVATIONS))
+def test_every_activation_survives_pickling(name):
+    torch.manual_seed(0)
+    model = from_preset("gpt-neox-tiny", attention="eager", hidden_act=name).eval()
+    inputs = _inputs()
+    with torch.no_grad():
+        expected = model(**inputs)
+        for how, copied in _copies(model).items():
+            assert torch.equal(copied(**inputs), expected), how
 
 
 @pytest.mark.parametrize("preset", PRESETS)

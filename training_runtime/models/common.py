@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -32,11 +33,20 @@ class Activation:
 
 # Each backward writes the input gradient over the output gradient it is given (``grad_input=``
 # is the aten out-argument of these element-wise kernels): the caller owns that buffer, and one
-# fewer tokens x intermediate tensor is the point of Activation.
+# fewer tokens x intermediate tensor is the point of Activation. Module-level functions (bound
+# with partial, never lambdas) keep models picklable.
+def _gelu_forward(x: torch.Tensor, *, approximate: str) -> torch.Tensor:
+    return F.gelu(x, approximate=approximate)
+
+
+def _gelu_backward(grad: torch.Tensor, x: torch.Tensor, *, approximate: str) -> torch.Tensor:
+    return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate,
+                                                   grad_input=grad)
+
+
 def _gelu(approximate: str) -> tuple[Callable, Callable]:
-    return (lambda x: F.gelu(x, approximate=approximate),
-            lambda grad, x: torch.ops.aten.gelu_backward.grad_input(
-                grad, x, approximate=approximate, grad_input=grad))
+    return (partial(_gelu_forward, approximate=approximate),
+            partial(_gelu_backward, approximate=approximate))
 
 
 def _relu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +101,11 @@ class _ActivationThenLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # Grad mode is on here only under create_graph=True. once_differentiable would not do:
+        # it keeps no graph, without a word, when grad_out does not require grad (loss.sum()).
+        if torch.is_grad_enabled():
+            raise RuntimeError("activation_then_linear has no double backward (its gradients "
+                               "are written in place); compute linear(act(h)) plainly for that")
         h, weight = ctx.saved_tensors
         need_h, need_weight, need_bias, _ = ctx.needs_input_grad
         grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
@@ -108,8 +123,27 @@ class _ActivationThenLinear(torch.autograd.Function):
 
 def activation_then_linear(h: torch.Tensor, act: Activation, linear: nn.Linear) -> torch.Tensor:
     """``linear(act(h))`` -- the second half of every MLP here -- keeping ``h`` but not
-    ``act(h)`` for backward. Same values and gradients as the plain composition."""
-    return _ActivationThenLinear.apply(h, linear.weight, linear.bias, act)
+    ``act(h)`` for backward. Same values and gradients as the plain composition, also under
+    autocast."""
+    weight, bias = linear.weight, linear.bias
+    device_type = h.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        # Cast as autocast casts F.linear's inputs, and run with autocast off: backward's
+        # matmuls need the tensors forward used, not fp32 weights next to a bf16 gradient. The
+        # casts' own backward returns each gradient in its input's dtype (fp32 master weights).
+        # h is cast before the activation, not after; in a model it is already in that dtype.
+        dtype = torch.get_autocast_dtype(device_type)
+        h, weight, bias = (_autocast_cast(t, dtype) for t in (h, weight, bias))
+        with torch.autocast(device_type, enabled=False):
+            return _ActivationThenLinear.apply(h, weight, bias, act)
+    return _ActivationThenLinear.apply(h, weight, bias, act)
+
+
+def _autocast_cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    # autocast leaves float64 alone
+    if tensor is None or tensor.dtype == torch.float64:
+        return tensor
+    return tensor.to(dtype)
 
 
 def config_value(config: dict[str, Any], *names: str, default: Any = None) -> Any:
