@@ -285,6 +285,17 @@ def write_failure(paths: c.Paths, details: dict) -> None:
         json.dump(details, f)
 
 
+def _remove_partial_model(contract: c.Contract) -> None:
+    """A final model save cut off by SIGKILL leaves files next to model/ (or, across mounts,
+    hidden ones in it); remove them before SageMaker or the EC2 node uploads model/."""
+    try:
+        from .checkpoint import remove_partial_model_files
+
+        remove_partial_model_files(contract.paths.model_dir)
+    except Exception as exc:  # noqa: BLE001 - cleanup must not change the job's outcome
+        logger.warning("could not remove a partial model save: %s", exc)
+
+
 # ---------------------------------------------------------------- the run
 
 def _install_signal_handlers(max_run: int | None) -> dict:
@@ -358,3 +369,4 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
         return 1
     finally:
         signal.alarm(0)
+        _remove_partial_model(contract)

@@ -22,6 +22,7 @@ those targets restore before the job starts.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -196,14 +197,34 @@ class CheckpointManager:
         return json.loads((path / TRAINER_STATE).read_text())
 
 
-HF_STAGING = ".dtrain-partial"  # inside the model folder: same file system, so renames work
+PARTIAL_SUFFIX = ".dtrain-partial"
+
+
+def hf_staging_dir(folder: str | Path) -> Path:
+    """Where :func:`save_hf_model` writes before moving the files into ``folder``.
+
+    A hidden sibling (``/opt/ml/.model.dtrain-partial`` for ``/opt/ml/model``), never a folder
+    inside it: SageMaker and dtrain's EC2 nodes upload everything under ``model/`` as the
+    model artifact, so a save killed half-way must leave nothing there. The same parent keeps it
+    on the same file system, so the moves are renames.
+    """
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}{PARTIAL_SUFFIX}"
+
+
+def remove_partial_model_files(folder: str | Path) -> None:
+    """Delete what a model save that was killed left behind (staging folder, half-copied files)."""
+    folder = Path(folder)
+    shutil.rmtree(hf_staging_dir(folder), ignore_errors=True)
+    for partial in folder.glob(f".*{PARTIAL_SUFFIX}"):
+        partial.unlink(missing_ok=True)
 
 
 def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
     """Gather the full weights and write a Hugging Face folder from rank 0 (collective).
 
-    The files are written to ``folder/.dtrain-partial`` and then moved in, ``config.json`` last,
-    so a save cut off half-way leaves the previous model (or none), never a partial one.
+    The files are written to :func:`hf_staging_dir` and then moved in one by one, ``config.json``
+    last, so a save cut off half-way leaves the previous model (or none) and no partial files.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_model_state_dict(model, options=options)  # empty on ranks other than 0
@@ -218,9 +239,9 @@ def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
         missing, unexpected = plain.load_state_dict(full, strict=False)
         tied = set(getattr(plain, "_tied_weights_keys", {}))
         assert not unexpected and set(missing) <= tied, (missing, unexpected)
-        staging = folder / HF_STAGING
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
-        save_pretrained(plain, staging)
+        remove_partial_model_files(folder)  # left by a save that was killed
+        staging = save_pretrained(plain, hf_staging_dir(folder))
+        folder.mkdir(parents=True, exist_ok=True)
         _publish(staging, folder)
     dist.barrier()
     return folder
@@ -234,8 +255,22 @@ def _publish(staging: Path, folder: Path) -> None:
     for stale in folder.glob("model*.safetensors*"):  # shards and index of an earlier save
         stale.unlink()
     for item in sorted(staging.iterdir(), key=lambda path: path.name == CONFIG_NAME):
-        os.replace(item, folder / item.name)
+        _move_file(item, folder / item.name)
     staging.rmdir()
+
+
+def _move_file(source: Path, target: Path) -> None:
+    """Atomically replace ``target`` with ``source``; a copy under a hidden name first when
+    they are on different mounts (a ``model/`` bind-mounted on its own)."""
+    try:
+        os.replace(source, target)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        partial = target.with_name(f".{target.name}{PARTIAL_SUFFIX}")
+        shutil.copyfile(source, partial)
+        os.replace(partial, target)
+        source.unlink()
 
 
 def _write_synced(path: Path, text: str) -> None:

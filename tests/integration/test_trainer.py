@@ -166,21 +166,32 @@ def test_sigterm_during_the_final_model_save_lets_the_save_finish(job, monkeypat
 
 
 def test_a_model_save_cut_off_half_way_leaves_the_previous_model_whole(job, monkeypatch):
-    from dtrain.runtime.checkpoint import HF_STAGING, save_hf_model
+    from dtrain.runtime.checkpoint import hf_staging_dir, save_hf_model
     from dtrain.runtime.models import hf_io
+    from dtrain.runtime.models.hf_io import load_pretrained
 
     def killed_half_way(tensors, path, **kwargs):
         Path(path).write_bytes(b"\0" * 64)  # a truncated weights file, then the process dies
         raise SystemExit(137)
 
+    real_save_file = hf_io.save_file
     try:
         trainer, _ = _tiny_fit(steps=1)  # writes model/
         before = {p.name: p.read_bytes() for p in (job / "model").iterdir()}
         monkeypatch.setattr(hf_io, "save_file", killed_half_way)
         with pytest.raises(SystemExit):
             save_hf_model(trainer.model, job / "model")
+        # model/ is uploaded whole as the artifact: the partial save is next to it, not in it.
+        after = {p.name: p.read_bytes() for p in (job / "model").iterdir()}
+        assert after == before
+        staging = hf_staging_dir(job / "model")
+        assert staging.parent == job and staging.is_dir()
+        assert not (staging / "config.json").exists()
+        # The next save starts by removing the leftover and publishes a whole model.
+        monkeypatch.setattr(hf_io, "save_file", real_save_file)
+        save_hf_model(trainer.model, job / "model")
     finally:
         torch.distributed.destroy_process_group()
-    after = {p.name: p.read_bytes() for p in (job / "model").iterdir() if p.name != HF_STAGING}
-    assert after == before
-    assert not (job / "model" / HF_STAGING / "config.json").exists()
+    assert not staging.exists()
+    assert sorted(p.name for p in (job / "model").iterdir()) == sorted(before)
+    assert load_pretrained(job / "model") is not None

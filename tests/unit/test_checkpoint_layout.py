@@ -32,3 +32,54 @@ def test_steps_are_ordered_numerically_not_by_name(tmp_path):
 def test_no_checkpoint_folder_means_a_fresh_start(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
     assert latest_checkpoint(tmp_path) is None
+
+
+def test_the_final_model_is_staged_next_to_model_dir_never_inside_it(tmp_path):
+    from dtrain.runtime.checkpoint import hf_staging_dir
+
+    staging = hf_staging_dir(tmp_path / "model")
+    assert staging == tmp_path / ".model.dtrain-partial"
+    assert not staging.is_relative_to(tmp_path / "model")
+
+
+def test_leftovers_of_a_killed_model_save_are_removed_and_the_model_is_kept(tmp_path):
+    from dtrain.runtime.checkpoint import hf_staging_dir, remove_partial_model_files
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / ".model.safetensors.dtrain-partial").write_bytes(b"half a copy")
+    hf_staging_dir(model).mkdir()
+    (hf_staging_dir(model) / "model.safetensors").write_bytes(b"half a save")
+    remove_partial_model_files(model)
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert [p.name for p in model.iterdir()] == ["config.json"]
+
+
+def test_a_model_dir_on_another_mount_gets_each_file_copied_then_renamed(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from dtrain.runtime.checkpoint import _publish
+
+    staging, model = tmp_path / "staging", tmp_path / "model"
+    staging.mkdir()
+    model.mkdir()
+    (staging / "model.safetensors").write_bytes(b"weights")
+    (staging / "config.json").write_text('{"new": true}')
+    (model / "model.safetensors").write_bytes(b"old weights")
+    rename = os.replace
+    renamed = []
+
+    def replace_within_one_mount(source, target):
+        if os.path.dirname(source) != os.path.dirname(target):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")  # a bind-mounted model/
+        renamed.append(os.path.basename(target))
+        return rename(source, target)
+
+    monkeypatch.setattr(os, "replace", replace_within_one_mount)
+    _publish(staging, model)
+    assert not staging.exists()
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+    assert (model / "model.safetensors").read_bytes() == b"weights"
+    assert renamed == ["model.safetensors", "config.json"]  # atomic per file, config last
