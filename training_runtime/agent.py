@@ -241,28 +241,53 @@ def _launch(config: LaunchConfig, command: WorkerCommand) -> None:
         elastic_launch(config, command.executable)(*command.args)
     finally:
         launcher.api.LocalElasticAgent = original
+        # The workers are gone; a SIGTERM now (a stop racing the job's end) must not cut the
+        # agent's report short with a traceback.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def describe_interruption(contract: c.Contract, *, since: float) -> dict:
-    """The failure report of a host whose workers stopped because some host received SIGTERM."""
-    from .checkpoint import COMPLETE, complete_checkpoints  # torch.distributed.checkpoint: lazily
+    """The failure report of a host whose workers stopped because some host received SIGTERM.
 
-    found = complete_checkpoints(contract.checkpoint_dir)
-    # Only a checkpoint this run wrote tells where it stopped; an older one would mislead.
-    step, folder = found[-1] if found and os.path.getmtime(found[-1][1] / COMPLETE) >= since \
-        else (None, None)
-    where = contract.checkpoint_config.get("S3Uri") or contract.checkpoint_dir
+    Never raises: what cannot be read is left out of the description.
+    """
+    step, folder = _checkpoint_of_this_run(contract, since)
+    location = _checkpoint_location(contract)
     if step is None:
         summary = (f"interrupted: the workers on {contract.current_host} stopped early (exit code "
                    f"{c.PREEMPTED_EXIT_CODE}) because a host received SIGTERM; resubmit to resume "
-                   f"from the newest checkpoint in {where}")
+                   f"from the newest checkpoint in {location}")
     else:
         summary = (f"interrupted: training stopped at step {step} after a checkpoint because a "
-                   f"host received SIGTERM; resubmit to resume from {where.rstrip('/')}/"
-                   f"{folder.name}")
+                   f"host received SIGTERM; resubmit to resume from {location.rstrip('/')}/"
+                   f"{folder}")
     return {"reason": "interrupted", "summary": summary, "step": step, "rank": None,
             "host": contract.current_host, "exit_code": c.PREEMPTED_EXIT_CODE,
             "timestamp": time.time()}
+
+
+def _checkpoint_of_this_run(contract: c.Contract, since: float) -> tuple[int | None, str | None]:
+    """(step, folder name) of the newest checkpoint written since ``since``; (None, None) when
+    there is none or it cannot be read."""
+    try:
+        from .checkpoint import COMPLETE, complete_checkpoints  # torch: lazily
+
+        found = complete_checkpoints(contract.checkpoint_dir)
+        # Only a checkpoint this run wrote tells where it stopped; an older one would mislead.
+        if not found or os.path.getmtime(found[-1][1] / COMPLETE) < since:
+            return None, None
+        step, folder = found[-1]
+    except Exception as exc:  # noqa: BLE001 - an unreadable folder must not hide the interruption
+        logger.warning("could not read the checkpoints in %s: %s", contract.checkpoint_dir, exc)
+        return None, None
+    return step, folder.name
+
+
+def _checkpoint_location(contract: c.Contract) -> str:
+    """Where a resubmitted job finds the checkpoints: the S3 URI when they sync there."""
+    config = contract.checkpoint_config if isinstance(contract.checkpoint_config, dict) else {}
+    uri = config.get("S3Uri")
+    return uri if isinstance(uri, str) and uri else str(contract.checkpoint_dir)
 
 
 def _latest_stem(log_dir: str, rank: int, attempt_hint: int) -> str:
@@ -274,15 +299,21 @@ def _latest_stem(log_dir: str, rank: int, attempt_hint: int) -> str:
 
 
 def write_failure(paths: c.Paths, details: dict) -> None:
-    """``output/failure`` (SageMaker's free text) plus ``failure.json`` for the launcher."""
-    os.makedirs(paths.output_dir, exist_ok=True)
+    """``output/failure`` (SageMaker's free text) plus ``failure.json`` for the launcher.
+
+    Logs instead of raising when the files cannot be written: the exit code still tells.
+    """
     text = details["summary"]
     if details.get("tail"):
         text += "\n\n" + "\n".join(details["tail"])
-    with open(paths.failure_file, "w") as f:
-        f.write(text + "\n")
-    with open(paths.failure_details_file, "w") as f:
-        json.dump(details, f)
+    try:
+        os.makedirs(paths.output_dir, exist_ok=True)
+        with open(paths.failure_file, "w") as f:
+            f.write(text + "\n")
+        with open(paths.failure_details_file, "w") as f:
+            json.dump(details, f)
+    except OSError as exc:
+        logger.error("could not write %s (%s): %s", paths.failure_file, exc, text)
 
 
 def _remove_partial_model(contract: c.Contract) -> None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from dtrain import contract as c
@@ -119,6 +120,33 @@ def test_killed_agent_takes_its_workers_with_it(tmp_path, live_processes):
     agent.kill()
     agent.wait()
     assert live_processes(str(tmp_path)) == []
+
+
+def test_an_interruption_whose_checkpoint_cannot_be_read_is_still_reported_as_one(tmp_path):
+    # The workers stop after a checkpoint, but its trainer.json is garbage and the checkpoint
+    # config's S3Uri is not a string: the report says what it can, and the agent neither crashes
+    # nor loses the interruption's exit code.
+    script = """
+    import os, pathlib
+    checkpoint = pathlib.Path(os.environ["DTRAIN_CHECKPOINT_DIR"]) / "step-000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer.json").write_text("{not json")
+    (checkpoint / "COMPLETE").write_text("{}")
+    raise SystemExit(143)
+    """
+    (root,) = make_job(tmp_path, script)
+    paths = c.Paths(str(root))
+    Path(paths.checkpoint_config_file).write_text(
+        json.dumps({"LocalPath": paths.checkpoints_dir, "S3Uri": 7}))
+    agent = start_agent(root)
+    output = agent.communicate(timeout=90)[0]
+    assert agent.returncode == c.PREEMPTED_EXIT_CODE, output
+    assert "Traceback" not in output
+    details = json.loads(Path(paths.failure_details_file).read_text())
+    assert (details["reason"], details["step"], details["rank"]) == ("interrupted", 4, None)
+    assert Path(paths.failure_file).read_text() == (
+        "interrupted: training stopped at step 4 after a checkpoint because a host received "
+        f"SIGTERM; resubmit to resume from {paths.checkpoints_dir}/step-000004\n")
 
 
 def test_recipe_entry_points_resolve_to_runtime_modules_or_fail_clearly(tmp_path):
