@@ -44,22 +44,23 @@ def start_agents(request: dict, job_dir: str) -> list[subprocess.Popen]:
     return agents
 
 
+def wait_for_agents(agents: list[subprocess.Popen], timeout_s: float, *,
+                    stop_requested: list | tuple = ()) -> None:
+    """Until every agent has exited, ``timeout_s`` has passed or a stop is requested."""
+    deadline = time.monotonic() + timeout_s
+    while any(a.poll() is None for a in agents) and time.monotonic() < deadline \
+            and not stop_requested:
+        time.sleep(0.1)
+
+
 def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM every agent (they forward it to workers), SIGKILL what is left after the grace."""
     running = [a for a in agents if a.poll() is None]
     kill_process_groups([a.pid for a in running], signal.SIGTERM)
-    deadline = time.monotonic() + grace_s + 5  # the agents' own grace plus their shutdown
-    while any(a.poll() is None for a in running) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for_agents(running, grace_s + 5)  # the agents' own grace plus their shutdown
     kill_process_groups([a.pid for a in agents], signal.SIGKILL)
     for agent in agents:
         agent.wait()
-
-
-def wait_for_agents(agents: list[subprocess.Popen], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(a.poll() is None for a in agents) and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 def root_cause(request: dict, job_dir: str) -> str:
@@ -91,30 +92,29 @@ def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list
     store.update(job_id, status=RUNNING, started_at=time.time(),
                  target_data={"agent_pids": [a.pid for a in agents]})
     grace = float(request["grace_period_s"])
-    while True:
+    while not stop_requested:
         codes = [a.poll() for a in agents]
-        if stop_requested:
-            stop_agents(agents, grace)
-            store.update(job_id, status=STOPPED, failure_reason="stopped by user")
-            return
         if all(code == 0 for code in codes):
             store.update(job_id, status=COMPLETED)
             return
         if any(code not in (None, 0) for code in codes):
             if set(codes) <= {None, 0, contract.PREEMPTED_EXIT_CODE}:
-                # Interrupted: the other hosts stop at the same step on their own, and say where.
-                wait_for_agents(agents, grace + 5)
-            stop_agents(agents, grace)  # one host failed (or still runs): the job is over
-            codes = [a.returncode for a in agents]
-            reason = root_cause(request, job_dir) or \
-                f"node agent exit codes {codes}; see `dtrain logs`"
-            # max_run and SIGTERM (a spot notice, or the checkpointed stop that follows it) are
-            # stops to resume from, as on SageMaker; anything else is a failure.
-            stopped = contract.MAX_RUN_EXIT_CODE in codes or \
-                set(codes) <= {0, contract.PREEMPTED_EXIT_CODE}
-            store.update(job_id, status=STOPPED if stopped else FAILED, failure_reason=reason)
-            return
+                # Interrupted: the other hosts stop at the same step on their own, and say where
+                # (unless `dtrain stop` comes first).
+                wait_for_agents(agents, grace + 5, stop_requested=stop_requested)
+            break
         time.sleep(0.2)
+    stop_agents(agents, grace)  # a stop, or one host failed (or still runs): the job is over
+    if stop_requested:
+        store.update(job_id, status=STOPPED, failure_reason="stopped by user")
+        return
+    codes = [a.returncode for a in agents]
+    reason = root_cause(request, job_dir) or f"node agent exit codes {codes}; see `dtrain logs`"
+    # max_run and SIGTERM (a spot notice, or the checkpointed stop that follows it) are stops to
+    # resume from, as on SageMaker; anything else is a failure.
+    stopped = contract.MAX_RUN_EXIT_CODE in codes or \
+        set(codes) <= {0, contract.PREEMPTED_EXIT_CODE}
+    store.update(job_id, status=STOPPED if stopped else FAILED, failure_reason=reason)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,3 +126,34 @@ def test_local_input_paths_reach_the_script_as_channels(tmp_path):
     record = jobs.submit(JobSpec.from_file(spec_file), wait=True)
     assert record.status == "Completed", record.failure_reason
     assert json.loads(Path(record.target_data["job_dir"], "request.json").read_text())["inputs"]
+
+
+def _wait_until(predicate, *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.1)
+
+
+def test_stop_while_awaiting_the_other_hosts_of_an_interruption_is_prompt(
+        tmp_path, dtrain_home, live_processes):
+    # algo-2's workers stop after a checkpoint (143); the monitor then gives algo-1 the grace
+    # period plus 5 s (35 s) to stop at the same step on its own. `dtrain stop` cuts that short.
+    spec = make_spec(tmp_path, """
+        import os, time
+        if os.environ["SM_CURRENT_HOST"] == "algo-2":
+            raise SystemExit(143)
+        time.sleep(300)
+        """, instance_count=2)
+    record = jobs.submit(spec, wait=False)
+    report = Path(record.target_data["job_dir"], "algo-2", "output", "failure.json")
+    _wait_until(report.exists, timeout=90, what="algo-2 reports its interruption")
+    time.sleep(3)  # its agent exits and the monitor starts waiting for algo-1
+    assert jobs.get(record.id).status == "Running"
+    stopped_at = time.monotonic()
+    jobs.stop(record.id)
+    final = jobs.wait_for(record.id, timeout_s=60)
+    took = time.monotonic() - stopped_at
+    assert (final.status, final.failure_reason) == ("Stopped", "stopped by user")
+    assert took < 15, f"the stop took {took:.1f} s"  # it took 30+ s while the monitor waited
+    assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []
