@@ -63,11 +63,8 @@ def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> None:
         agent.wait()
 
 
-def root_cause(request: dict, job_dir: str) -> str:
-    """The earliest failure any host reported (other hosts usually fail as a consequence).
-
-    max_run comes first, then crashes, then interruptions (which a crash elsewhere can cause).
-    """
+def host_reports(request: dict, job_dir: str) -> list[tuple[dict, str]]:
+    """(failure.json, failure text) of every host that wrote them."""
     found = []
     for host in request["hosts"]:
         paths = contract.Paths(host_root(job_dir, host))
@@ -78,11 +75,41 @@ def root_cause(request: dict, job_dir: str) -> str:
                 text = f.read().strip()
         except (OSError, ValueError):
             continue
-        order = {"max_run": 0, "interrupted": 2}.get(details.get("reason"), 1)
-        found.append((order, details.get("timestamp") or 0, text))
-    if not found:
-        return ""
-    return min(found)[2]
+        if isinstance(details, dict):
+            found.append((details, text))
+    return found
+
+
+def root_cause(request: dict, job_dir: str) -> str:
+    """The earliest failure any host reported (other hosts usually fail as a consequence).
+
+    max_run comes first, then crashes, then interruptions (which a crash elsewhere can cause).
+    """
+    found = [({"max_run": 0, "interrupted": 2}.get(details.get("reason"), 1),
+              details.get("timestamp") or 0, text)
+             for details, text in host_reports(request, job_dir)]
+    return min(found)[2] if found else ""
+
+
+def final_state(request: dict, job_dir: str, codes: list[int], *,
+                stopped_by_user: bool) -> tuple[str, str | None]:
+    """(status, failure reason) from the agents' exit codes and reports.
+
+    Every agent exiting 0 is Completed even after a stop: the workers finished the job (a stop
+    during the final model save lets it finish). A stop that cut the final model save short says
+    so, since the model then has to come from the last checkpoint.
+    """
+    if all(code == 0 for code in codes):
+        return COMPLETED, None
+    if stopped_by_user:
+        notes = [d["model_note"] for d, _ in host_reports(request, job_dir) if d.get("model_note")]
+        return STOPPED, "stopped by user" + (f"; {notes[0]}" if notes else "")
+    reason = root_cause(request, job_dir) or f"node agent exit codes {codes}; see `dtrain logs`"
+    # max_run and SIGTERM (a spot notice, or the checkpointed stop that follows it) are stops to
+    # resume from, as on SageMaker; anything else is a failure.
+    stopped = contract.MAX_RUN_EXIT_CODE in codes or \
+        set(codes) <= {0, contract.PREEMPTED_EXIT_CODE}
+    return (STOPPED if stopped else FAILED), reason
 
 
 def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list) -> None:
@@ -105,16 +132,9 @@ def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list
             break
         time.sleep(0.2)
     stop_agents(agents, grace)  # a stop, or one host failed (or still runs): the job is over
-    if stop_requested:
-        store.update(job_id, status=STOPPED, failure_reason="stopped by user")
-        return
-    codes = [a.returncode for a in agents]
-    reason = root_cause(request, job_dir) or f"node agent exit codes {codes}; see `dtrain logs`"
-    # max_run and SIGTERM (a spot notice, or the checkpointed stop that follows it) are stops to
-    # resume from, as on SageMaker; anything else is a failure.
-    stopped = contract.MAX_RUN_EXIT_CODE in codes or \
-        set(codes) <= {0, contract.PREEMPTED_EXIT_CODE}
-    store.update(job_id, status=STOPPED if stopped else FAILED, failure_reason=reason)
+    status, reason = final_state(request, job_dir, [a.returncode for a in agents],
+                                 stopped_by_user=bool(stop_requested))
+    store.update(job_id, status=status, failure_reason=reason)
 
 
 def main(argv: list[str] | None = None) -> int:

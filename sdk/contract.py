@@ -37,6 +37,9 @@ RECIPE_PACKAGE = "dtrain.runtime.recipes"
 PREEMPTED_EXIT_CODE = 143
 # Exit code of a node agent that stopped its workers at max_run, as coreutils' timeout(1).
 MAX_RUN_EXIT_CODE = 124
+# Neither applies when every worker exited 0: a SIGTERM or max_run that came while the workers
+# finished on their own (the final model save) leaves the agent's exit code 0, the job complete.
+# The table: docs/concepts/container-contract.md, "Exit codes".
 
 # Instance types without accelerators run workers on CPU with gloo.
 CPU_INSTANCE_TYPES = frozenset({"local"})

@@ -9,6 +9,7 @@ SIGTERM grace period that leaves no process behind.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -222,7 +223,15 @@ class InterruptionAwareAgent(LocalElasticAgent):
     because another host got SIGTERM; the restarted group then waits at the rendezvous for that
     host, which is gone, and the job hangs. Spending no restarts on it ends this agent with the
     interruption instead, which ``run`` reports as one.
+
+    It also keeps the workers' exit codes from the last shutdown in ``exit_codes`` (local rank ->
+    code), so ``run`` can tell a SIGTERM that stopped the workers from one that arrived while they
+    were finishing on their own (e.g. during the final model save).
     """
+
+    def __init__(self, *args, exit_codes: dict[int, int | None], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.exit_codes = exit_codes
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
@@ -230,13 +239,21 @@ class InterruptionAwareAgent(LocalElasticAgent):
             self._remaining_restarts = 0
         return result
 
+    def _shutdown(self, *args, **kwargs) -> None:
+        super()._shutdown(*args, **kwargs)
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        self.exit_codes.clear()
+        self.exit_codes.update({rank: h.proc.returncode for rank, h in handlers.items()})
 
-def _launch(config: LaunchConfig, command: WorkerCommand) -> None:
+
+def _launch(config: LaunchConfig, command: WorkerCommand,
+            exit_codes: dict[int, int | None]) -> None:
     """``elastic_launch`` with :class:`InterruptionAwareAgent` as the agent it builds."""
     # launch_agent constructs the agent by this module-level name; the agent process runs
     # one launch at a time, so swapping it for the call is safe.
     original = launcher.api.LocalElasticAgent
-    launcher.api.LocalElasticAgent = InterruptionAwareAgent
+    launcher.api.LocalElasticAgent = functools.partial(InterruptionAwareAgent,
+                                                       exit_codes=exit_codes)
     try:
         elastic_launch(config, command.executable)(*command.args)
     finally:
@@ -246,41 +263,65 @@ def _launch(config: LaunchConfig, command: WorkerCommand) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def describe_interruption(contract: c.Contract, *, since: float) -> dict:
-    """The failure report of a host whose workers stopped because some host received SIGTERM.
+def workers_finished(exit_codes: dict[int, int | None]) -> bool:
+    """Whether every worker exited 0 on its own: the job's work is done, whatever signal came."""
+    return bool(exit_codes) and all(code == 0 for code in exit_codes.values())
 
-    Never raises: what cannot be read is left out of the description.
+
+def describe_interruption(contract: c.Contract, *, since: float, here: bool = False) -> dict:
+    """The failure report of a host whose workers stopped because some host received SIGTERM
+    (``here``: this one). Never raises: what cannot be read is left out of the description.
     """
-    step, folder = _checkpoint_of_this_run(contract, since)
+    step, folder, finished = _checkpoint_of_this_run(contract, since)
     location = _checkpoint_location(contract)
+    which = "this host" if here else "a host"
+    details = {"reason": "interrupted", "step": step, "rank": None,
+               "host": contract.current_host, "exit_code": c.PREEMPTED_EXIT_CODE,
+               "timestamp": time.time()}
     if step is None:
-        summary = (f"interrupted: the workers on {contract.current_host} stopped early (exit code "
-                   f"{c.PREEMPTED_EXIT_CODE}) because a host received SIGTERM; resubmit to resume "
-                   f"from the newest checkpoint in {location}")
+        details["summary"] = (
+            f"interrupted: the workers on {contract.current_host} stopped early (exit code "
+            f"{c.PREEMPTED_EXIT_CODE}) because {which} received SIGTERM; resubmit to resume "
+            f"from the newest checkpoint in {location}")
+    elif finished:
+        details["model_note"] = model_note(step, f"{location.rstrip('/')}/{folder}")
+        details["summary"] = f"interrupted: {details['model_note']}"
     else:
-        summary = (f"interrupted: training stopped at step {step} after a checkpoint because a "
-                   f"host received SIGTERM; resubmit to resume from {location.rstrip('/')}/"
-                   f"{folder}")
-    return {"reason": "interrupted", "summary": summary, "step": step, "rank": None,
-            "host": contract.current_host, "exit_code": c.PREEMPTED_EXIT_CODE,
-            "timestamp": time.time()}
+        details["summary"] = (
+            f"interrupted: training stopped at step {step} after a checkpoint because {which} "
+            f"received SIGTERM; resubmit to resume from {location.rstrip('/')}/{folder}")
+    return details
 
 
-def _checkpoint_of_this_run(contract: c.Contract, since: float) -> tuple[int | None, str | None]:
-    """(step, folder name) of the newest checkpoint written since ``since``; (None, None) when
-    there is none or it cannot be read."""
+def model_note(step: int, checkpoint: str) -> str:
+    """What to say when training finished but the final model save did not."""
+    return (f"training finished all {step} steps but the final model was not saved, so "
+            f"model/ is incomplete; the checkpoint {checkpoint} has everything: resubmit to "
+            "resume from it, which only writes the model")
+
+
+def _checkpoint_of_this_run(contract: c.Contract, since: float
+                            ) -> tuple[int | None, str | None, bool]:
+    """(step, folder name, whether training had finished) of the newest checkpoint written
+    since ``since``; (None, None, False) when there is none or it cannot be read."""
     try:
-        from .checkpoint import COMPLETE, complete_checkpoints  # torch: lazily
+        from .checkpoint import COMPLETE, TRAINER_STATE, complete_checkpoints  # torch: lazily
 
         found = complete_checkpoints(contract.checkpoint_dir)
         # Only a checkpoint this run wrote tells where it stopped; an older one would mislead.
         if not found or os.path.getmtime(found[-1][1] / COMPLETE) < since:
-            return None, None
+            return None, None, False
         step, folder = found[-1]
     except Exception as exc:  # noqa: BLE001 - an unreadable folder must not hide the interruption
         logger.warning("could not read the checkpoints in %s: %s", contract.checkpoint_dir, exc)
-        return None, None
-    return step, folder.name
+        return None, None, False
+    try:
+        state = json.loads((folder / TRAINER_STATE).read_text())
+        finished = step >= int(state["total_steps"])
+    except Exception as exc:  # noqa: BLE001 - e.g. a checkpoint written by an older dtrain
+        logger.warning("could not read %s: %s", folder / TRAINER_STATE, exc)
+        finished = False
+    return step, folder.name, finished
 
 
 def _checkpoint_location(contract: c.Contract) -> str:
@@ -374,8 +415,9 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
     logger.info("host %s (node rank %d/%d): %d worker(s) of %s", contract.current_host,
                 contract.node_rank, len(contract.hosts), config.nproc_per_node, command.args[3:])
     started = time.time()
+    exit_codes: dict[int, int | None] = {}
     try:
-        _launch(config, command)
+        _launch(config, command, exit_codes)
         return 0
     except ChildFailedError as exc:
         if is_interruption(exc.failures):
@@ -384,13 +426,15 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
         write_failure(contract.paths, describe_child_failure(contract, exc))
         return 1
     except SignalException as exc:
+        if workers_finished(exit_codes):
+            logger.info("%s arrived as the workers finished; they completed the job",
+                        signal.Signals(exc.sigval).name)
+            return 0
         if state["max_run_reached"]:
-            write_failure(contract.paths, {
-                "summary": f"max_run of {contract.settings.max_run} s reached on "
-                           f"{contract.current_host}; workers were stopped",
-                "reason": "max_run", "timestamp": time.time(), "rank": None,
-                "host": contract.current_host, "exit_code": c.MAX_RUN_EXIT_CODE})
+            write_failure(contract.paths, describe_max_run(contract, since=started))
             return c.MAX_RUN_EXIT_CODE
+        if exc.sigval == signal.SIGTERM:
+            write_failure(contract.paths, describe_interruption(contract, since=started, here=True))
         return 128 + int(exc.sigval)
     except Exception as exc:  # rendezvous and launch errors: report, never hang
         write_failure(contract.paths, {"summary": f"node agent failed on {contract.current_host}: "
@@ -401,3 +445,16 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
     finally:
         signal.alarm(0)
         _remove_partial_model(contract)
+
+
+def describe_max_run(contract: c.Contract, *, since: float) -> dict:
+    """The failure report of a host stopped at max_run, with where to resume from."""
+    summary = (f"max_run of {contract.settings.max_run} s reached on {contract.current_host}; "
+               "workers were stopped")
+    details = {"reason": "max_run", "timestamp": time.time(), "rank": None,
+               "host": contract.current_host, "exit_code": c.MAX_RUN_EXIT_CODE}
+    note = describe_interruption(contract, since=since, here=True).get("model_note")
+    if note:
+        details["model_note"] = note
+        summary += f"; {note}"
+    return {"summary": summary, **details}

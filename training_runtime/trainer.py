@@ -13,7 +13,12 @@ micro-batches; hop 2 of the gradient sync runs only on the last one (see
 Stopping: SIGTERM (a spot interruption, ``dtrain stop``) sets a flag; at the next step boundary
 every rank agrees on it (one all-reduce of a flag), a checkpoint is written and ``fit`` returns
 with ``preempted=True``; recipes then exit with ``PREEMPTED_EXIT_CODE`` (the node agent reports
-that as an interruption, not a crash). A SIGTERM during the final model save lets it finish.
+that as an interruption, not a crash).
+
+The end: after the last step a checkpoint is written, so it holds everything; then the ranks
+vote once more. A stop requested by then skips the model save (``preempted=True``: a resubmitted
+job resumes at the last step and only writes the model). A SIGTERM during the model save lets it
+finish within the agent's grace period, and ``fit`` returns normally: the job is complete.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ class TrainerConfig:
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     log_interval: int = 10
-    checkpoint_interval: int = 0  # optimizer steps between checkpoints; 0 = only on SIGTERM
+    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end and on SIGTERM
     keep_last: int = 2
     gradient_accumulation_steps: int | None = None  # None: the context's distribution setting
 
@@ -63,7 +68,7 @@ class TrainerConfig:
 @dataclass
 class FitResult:
     step: int
-    preempted: bool = False
+    preempted: bool = False  # stopped by SIGTERM; no model saved (step may be the last one)
     resumed_from: int | None = None
     history: list[dict[str, float]] = field(default_factory=list)  # the logged records
 
@@ -143,9 +148,8 @@ class Trainer:
                     self._save(checkpoints, loader)
                     window.start = time.perf_counter()  # keep saving out of tokens/s
             if not result.preempted:
-                # Still under the stop flag: a SIGTERM now lets the save finish (within the
-                # agent's grace period) instead of killing this rank half-way through model/.
-                save_hf_model(self.model, self.model_dir)
+                saved = self._finish(checkpoints, loader, resumed_from=result.resumed_from)
+                result.preempted = not saved
         finally:
             logger.close()
             self.stop.uninstall()
@@ -176,9 +180,23 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks stop at the same step
         return bool(flag.item())
 
+    def _finish(self, checkpoints: CheckpointManager, loader: Any, *,
+                resumed_from: int | None) -> bool:
+        """The last checkpoint, then the model; False when a stop came before the model save."""
+        if resumed_from != self.step:  # a job resumed at the last step has that checkpoint
+            self._save(checkpoints, loader)
+        if self._stop_requested():
+            return False
+        # Still under the stop flag: a SIGTERM now lets the save finish (within the agent's
+        # grace period) instead of killing this rank half-way through the model.
+        save_hf_model(self.model, self.model_dir)
+        return True
+
     def _trainer_state(self, loader: Any) -> dict[str, Any]:
         data = loader.state_dict() if hasattr(loader, "state_dict") else None
-        return {"data": data, "loss_scaler": self.scaler.state_dict()}
+        # total_steps lets the node agent tell a stop after the last step from one before it.
+        return {"data": data, "loss_scaler": self.scaler.state_dict(),
+                "total_steps": self.config.steps}
 
     def _save(self, checkpoints: CheckpointManager, loader: Any) -> None:
         checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state(loader))

@@ -157,3 +157,72 @@ def test_stop_while_awaiting_the_other_hosts_of_an_interruption_is_prompt(
     assert (final.status, final.failure_reason) == ("Stopped", "stopped by user")
     assert took < 15, f"the stop took {took:.1f} s"  # it took 30+ s while the monitor waited
     assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []
+
+
+SLOW_SAVE_TRAINER = """
+    # The Trainer on 2 hosts whose final model save takes --save_seconds (as a big model's would).
+    import os, sys, time
+    import dtrain.runtime as rt
+    import torch
+    from dtrain.runtime import trainer as t
+    from dtrain.runtime.data import DistributedTokenLoader
+    from dtrain.runtime.models import from_preset, hf_io
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.tokenize import encode_bytes
+
+    seconds = float(sys.argv[sys.argv.index("--save_seconds") + 1])
+    write_weights = hf_io.save_file
+
+    def slow_save_file(tensors, path, **kwargs):
+        write_weights(tensors, path, **kwargs)
+        open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], "saving"), "w").close()
+        time.sleep(seconds)
+
+    hf_io.save_file = slow_save_file
+    ctx = rt.init(distribution={"sharding_degree": 1})
+    torch.manual_seed(0)
+    model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
+    loader = DistributedTokenLoader(encode_bytes([open(__file__).read() * 20]), window=33,
+                                    micro_batch_size=2, dp_rank=ctx.rank,
+                                    dp_world_size=ctx.world_size)
+    result = t.Trainer(model, ctx, next_token_loss, config=t.TrainerConfig(steps=3)).fit(loader)
+    torch.distributed.destroy_process_group()
+    sys.exit(t.PREEMPTED_EXIT_CODE if result.preempted else 0)
+    """
+
+
+def _stop_during_the_final_save(tmp_path, save_seconds: int):
+    """Submit SLOW_SAVE_TRAINER, `dtrain stop` it while rank 0 writes the model; final record."""
+    spec = make_spec(tmp_path, SLOW_SAVE_TRAINER, instance_count=2, max_run=600)
+    spec = JobSpec.from_dict({**spec.to_dict(), "hyperparameters": {"save_seconds": save_seconds}})
+    record = jobs.submit(spec, wait=False)
+    job_dir = Path(record.target_data["job_dir"])
+    _wait_until(lambda: any(job_dir.glob("algo-*/output/data/saving")), timeout=180,
+                what="rank 0 is writing the final model")
+    jobs.stop(record.id)
+    return jobs.wait_for(record.id, timeout_s=120), job_dir
+
+
+def test_a_stop_during_the_final_model_save_lets_it_finish_and_the_job_completes(tmp_path):
+    record, job_dir = _stop_during_the_final_save(tmp_path, save_seconds=4)
+    assert (record.status, record.failure_reason) == ("Completed", None)
+    (model,) = [m for m in job_dir.glob("algo-*/model") if (m / "config.json").exists()]
+    assert (model / "model.safetensors").is_file()
+
+
+def test_a_final_model_save_cut_off_by_the_grace_period_says_the_model_is_incomplete(
+        tmp_path, monkeypatch, live_processes):
+    monkeypatch.setenv("DTRAIN_STOP_GRACE_PERIOD", "2")
+    record, job_dir = _stop_during_the_final_save(tmp_path, save_seconds=300)
+    checkpoint = job_dir / "checkpoints" / "step-000003"
+    assert record.status == "Stopped"
+    assert record.failure_reason == (
+        "stopped by user; training finished all 3 steps but the final model was not saved, so "
+        f"model/ is incomplete; the checkpoint {checkpoint} has everything: resubmit to resume "
+        "from it, which only writes the model")
+    assert (checkpoint / "COMPLETE").is_file()
+    # Nothing of the cut-off save is left where model/ is uploaded from, or next to it.
+    for host in ("algo-1", "algo-2"):
+        assert [p.name for p in (job_dir / host / "model").iterdir()] == []
+        assert not list((job_dir / host).glob(".*partial*"))
+    assert live_processes(str(tmp_path)) == []

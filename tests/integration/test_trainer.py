@@ -67,6 +67,8 @@ def test_identical_runs_give_identical_losses(job, tmp_path_factory, monkeypatch
         out = tmp_path_factory.mktemp(name)
         monkeypatch.setenv("SM_OUTPUT_DATA_DIR", str(out))
         monkeypatch.setenv("SM_MODEL_DIR", str(out / "model"))
+        # its own checkpoints: a run finds the first run's last step there and resumes at it
+        monkeypatch.setenv("DTRAIN_CHECKPOINT_DIR", str(out / "checkpoints"))
         assert causal_lm.main(args) == 0
         runs.append([r["loss"] for r in _records(out)])
     assert len(runs[0]) == 5 and runs[0] == runs[1]
@@ -126,8 +128,11 @@ def test_missing_data_is_a_one_line_error(job, capsys):
 
 
 
-def _tiny_fit(steps: int):
-    """One gloo rank trains gpt-neox-tiny for ``steps`` steps; returns the Trainer and result."""
+def _tiny_fit(steps: int, loss_fn=None):
+    """One gloo rank trains gpt-neox-tiny for ``steps`` steps; returns the Trainer and result.
+
+    The process group is reused by later calls; the caller destroys it.
+    """
     import dtrain.runtime as rt
     from dtrain.runtime.data import DistributedTokenLoader
     from dtrain.runtime.models import from_preset
@@ -138,7 +143,7 @@ def _tiny_fit(steps: int):
     ctx = rt.init(distribution={"sharding_degree": 1})
     model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
     loader = DistributedTokenLoader(encode_bytes([CORPUS]), window=33, micro_batch_size=2)
-    trainer = Trainer(model, ctx, next_token_loss, config=TrainerConfig(steps=steps))
+    trainer = Trainer(model, ctx, loss_fn or next_token_loss, config=TrainerConfig(steps=steps))
     return trainer, trainer.fit(loader)
 
 
@@ -195,3 +200,42 @@ def test_a_model_save_cut_off_half_way_leaves_the_previous_model_whole(job, monk
     assert not staging.exists()
     assert sorted(p.name for p in (job / "model").iterdir()) == sorted(before)
     assert load_pretrained(job / "model") is not None
+
+
+def test_sigterm_in_the_last_step_checkpoints_it_and_the_resubmit_only_writes_the_model(job):
+    from dtrain.runtime.checkpoint import TRAINER_STATE
+    from dtrain.runtime.models.hf_io import load_pretrained
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(batch.index)
+        if len(calls) == 3:  # the last step: the stop comes after training, before the save
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next_token_loss(model, batch)
+
+    try:
+        _, first = _tiny_fit(3, loss_fn)
+        assert (first.step, first.preempted) == (3, True)
+        assert not (job / "model").exists()  # stopped means stopped: no model save started
+        checkpoint = latest_checkpoint(job / "checkpoints")
+        assert checkpoint.name == "step-000003"
+        assert json.loads((checkpoint / TRAINER_STATE).read_text())["total_steps"] == 3
+        _, second = _tiny_fit(3, loss_fn)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (second.resumed_from, second.step, second.preempted) == (3, 3, False)
+    assert calls == [0, 1, 2]  # the resubmitted job trained no further step
+    assert load_pretrained(job / "model") is not None
+
+
+def test_a_finished_run_leaves_a_checkpoint_of_its_last_step(job):
+    try:
+        _, result = _tiny_fit(2)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (result.step, result.preempted) == (2, False)
+    assert latest_checkpoint(job / "checkpoints").name == "step-000002"
+    assert (job / "model" / "config.json").is_file()
+
