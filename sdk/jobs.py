@@ -106,7 +106,8 @@ def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any]
     ``on_status`` is called whenever the status or the target's secondary status changes.
     When the job has ended but its target still has to remove what it created for it (EC2: the
     security and placement groups, once the nodes have terminated), polling goes on until that is
-    done or given up on, for up to ``settle_s``, so nothing is left behind when this returns.
+    done or given up on, for up to ``settle_s`` (and never past ``timeout_s``), so nothing is
+    left behind when this returns.
     ``on_note`` gets a line saying what it waits for, and one if that took longer or was
     interrupted (Ctrl-C); either way the job's own final record is returned.
     """
@@ -123,6 +124,8 @@ def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any]
             on_status(record)
         last = seen
         if record.is_final:
+            if deadline is not None:
+                settle_s = max(0.0, min(settle_s, deadline - time.monotonic()))
             return _settle(launcher, record, store=store, poll_s=poll_s, settle_s=settle_s,
                            on_note=on_note)
         if deadline is not None and time.monotonic() > deadline:
@@ -141,8 +144,8 @@ def _settle(launcher: Launcher, record: JobRecord, *, store: JobStore, poll_s: f
     deadline = time.monotonic() + settle_s
     try:
         while pending is not None:
-            if time.monotonic() >= deadline:
-                on_note(f"warning: {pending.what} still not removed after {settle_s:g} s "
+            if time.monotonic() + poll_s > deadline:  # the next look would come too late
+                on_note(f"warning: {pending.what} still not removed after {settle_s:.3g} s "
                         f"(waiting until {pending.once}); {pending.retry_hint}")
                 return record
             time.sleep(poll_s)

@@ -45,3 +45,54 @@ def test_cloud_targets_poll_in_seconds_and_local_in_half_seconds():
 
     assert get_launcher("local").poll_s == 0.5
     assert SageMakerLauncher.poll_s >= 5 and Ec2Launcher.poll_s >= 5
+
+
+class _EndedWithCleanupPending:
+    """A target whose job has ended but whose clean-up never finishes (EC2: nodes that take
+    their time to terminate), on a clock the test controls."""
+
+    poll_s = 10.0
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+
+    def status(self, record, *, store):
+        self.clock.now += 1.0  # each look at the cloud takes a moment
+        return store.update(record.id, status="Completed")
+
+    def pending_cleanup(self, record):
+        from dtrain.launcher.base import PendingCleanup
+
+        return PendingCleanup(what="security group sg-1", once="the 2 nodes have terminated",
+                              retry_hint="`dtrain status` tries again")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_waiting_for_the_clean_up_stops_at_the_callers_timeout(monkeypatch, tmp_path):
+    store = JobStore(str(tmp_path / "jobs.db"))
+    record = store.create(name="demo", target="ec2", spec={})
+    clock = _Clock()
+    monkeypatch.setattr(jobs, "_launcher", lambda target, clients=None:
+                        _EndedWithCleanupPending(clock))
+    monkeypatch.setattr(jobs, "time", clock)
+    notes: list[str] = []
+    started = clock.now
+    final = jobs.wait_for(record.id, store=store, timeout_s=60, settle_s=300,
+                          on_note=notes.append)
+    assert final.status == "Completed"
+    assert clock.now - started <= 60  # not the 300 s the clean-up alone may take
+    assert notes[-1].startswith("warning: security group sg-1 still not removed after ")
+    # without a timeout the clean-up gets its own bound
+    clock.now, notes[:] = 1000.0, []
+    jobs.wait_for(record.id, store=store, settle_s=300, on_note=notes.append)
+    assert 290 <= clock.now - 1000.0 <= 301 and "after 300 s" in notes[-1]
