@@ -139,6 +139,15 @@ def rendezvous(s3, config: dict, node: Node, *, timeout_s: float, poll_s: float)
         time.sleep(poll_s)
 
 
+def checkpoint_uri(config: dict) -> str:
+    """Where the job's checkpoints live in S3: ``checkpoint.uri``, else ``{prefix}/checkpoints``.
+
+    One answer for the download before the agent starts, the upload at the end, and the
+    contract's ``S3Uri`` (which the runtime's interruption line tells the user to resume from).
+    """
+    return config.get("checkpoint_uri") or f"{config['prefix']}/checkpoints"
+
+
 def prepare_contract(s3, config: dict, node: Node, hosts: list[str]) -> contract.Paths:
     paths = contract.Paths(os.path.abspath(node.root))
     if config.get("source"):
@@ -150,13 +159,12 @@ def prepare_contract(s3, config: dict, node: Node, hosts: list[str]) -> contract
             tar.extractall(paths.code_dir, filter="data")
     for channel, uri in config["channels"].items():
         download_prefix(s3, uri, paths.channel_dir(channel))
-    if config.get("checkpoint_uri"):
-        download_prefix(s3, config["checkpoint_uri"], paths.checkpoints_dir)  # resume
+    download_prefix(s3, checkpoint_uri(config), paths.checkpoints_dir)  # resume, if any
     settings = contract.Settings(**config["settings"])
     return contract.write_host_contract(
         node.root, current_host=node.private_ip, hosts=hosts, settings=settings,
         hyperparameters=config["hyperparameters"], channels=list(config["channels"]),
-        checkpoint_s3_uri=config.get("checkpoint_uri"),
+        checkpoint_s3_uri=checkpoint_uri(config),
         network_interface_name=default_interface(),
     )
 
@@ -200,7 +208,7 @@ def upload_results(s3, config: dict, node: Node, paths: contract.Paths) -> None:
     upload_dir(s3, paths.model_dir, f"{prefix}/model")
     upload_dir(s3, paths.output_dir, f"{prefix}/output/{node.private_ip}")
     upload_dir(s3, paths.logs_dir, f"{prefix}/logs/{node.private_ip}")
-    upload_dir(s3, paths.checkpoints_dir, config.get("checkpoint_uri") or f"{prefix}/checkpoints")
+    upload_dir(s3, paths.checkpoints_dir, checkpoint_uri(config))
     bootstrap_log = os.path.join(node.work_dir, "bootstrap.log")
     if os.path.isfile(bootstrap_log):
         bucket, key = split_s3(f"{prefix}/logs/{node.private_ip}/bootstrap.log")

@@ -43,6 +43,12 @@ with open(os.path.join(c.paths.model_dir, f"part-{c.current_host}.txt"), "w") as
                         "code": sorted(os.listdir(c.module_dir)),
                         "train": sorted(os.listdir(c.channels["train"])),
                         "lr": c.hyperparameters["lr"], "nccl": os.environ.get("NCCL_DEBUG")}))
+os.makedirs(c.paths.checkpoints_dir, exist_ok=True)
+with open(os.path.join(c.paths.checkpoints_dir, f"shard-{c.node_rank}.distcp"), "w") as f:
+    f.write("weights")
+if os.environ.get("STUB_FAILURE"):  # what the node agent writes when it ends badly
+    with open(c.paths.failure_file, "w") as f:
+        f.write(os.environ["STUB_FAILURE"].format(s3=c.checkpoint_config.get("S3Uri")) + "\\n")
 sys.exit(int(os.environ.get("STUB_EXIT", "0")))
 """
 
@@ -159,6 +165,22 @@ def test_an_interrupted_agent_stops_the_job_instead_of_failing_it(s3, tmp_path, 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["stopped", "stopped"]
     assert job_state({"i-0": "terminated", "i-1": "terminated"}, nodes, 2)["state"] == "Stopped"
+
+
+def test_checkpoints_go_where_the_interruption_line_says_even_without_a_checkpoint_uri(
+        s3, tmp_path, monkeypatch):
+    config = job_config("tok5")
+    del config["checkpoint_uri"]  # a job.json that names no checkpoint location
+    upload_artifacts(s3, config)
+    assert run_two_nodes(s3, tmp_path, config, monkeypatch) == [0, 0]
+    where = f"s3://{BUCKET}/dtrain/{JOB}/checkpoints"
+    for rank in range(2):
+        written = contract.read_contract(str(tmp_path / f"node{rank}" / "ml"), num_gpus=8)
+        assert written.checkpoint_config["S3Uri"] == where  # what the runtime tells the user
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"dtrain/{JOB}/checkpoints/")
+            .get("Contents", [])}
+    assert keys == {f"dtrain/{JOB}/checkpoints/shard-0.distcp",
+                    f"dtrain/{JOB}/checkpoints/shard-1.distcp"}
 
 
 def test_rendezvous_gives_up_with_a_failed_status_when_a_node_never_arrives(s3, tmp_path):
