@@ -37,7 +37,7 @@ from dtrain.store import (
     FINAL_STATUSES,
     RUNNING,
     STARTING,
-    STATUSES,
+    STOPPED,
     STOPPING,
     JobRecord,
     JobStore,
@@ -46,7 +46,6 @@ from dtrain.store import (
 if TYPE_CHECKING:
     from dtrain.planner import Plan
 
-TERMINAL_STATES = ("Completed", "Failed", "Stopped")
 # How long status keeps retrying the removal of an ended job's groups; then `dtrain ec2 gc`.
 CLEANUP_RETRY_S = 3600.0
 CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacityOnHost",
@@ -252,7 +251,8 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         return facts
 
     def job_status(self, record: JobRecord) -> dict[str, Any]:
-        """Job state from instance states plus each node's S3 status object."""
+        """Job state from instance states plus each node's S3 status object (``res.job_state``:
+        ``status`` in the store's names, ``secondary_status``, ``failure_reason``)."""
         facts = self.describe(record)
         nodes = res.read_status_objects(self.client("s3"), facts["prefix"])
         states = {i["InstanceId"]: i["State"]["Name"] for i in facts["instances"]}
@@ -271,9 +271,13 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         if record.is_final:
             return self._retry_cleanup(record, store)
         current = self.job_status(record)
-        status = store_status(current)
+        status = current["status"]
+        if record.status == STOPPING and status not in FINAL_STATUSES:
+            # `dtrain stop` terminated the nodes: the job only ends from here, Stopped
+            status = STOPPED if status is None else None
         fields: dict[str, Any] = {}
-        if current["failure_reason"]:
+        # a Stopped job keeps the reason it got first: `dtrain stop`'s, or the interruption's
+        if current["failure_reason"] and not (status == STOPPED and record.failure_reason):
             fields["failure_reason"] = current["failure_reason"]
         if status == RUNNING and not record.started_at:
             fields["started_at"] = self.clock().timestamp()
@@ -292,7 +296,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         while True:
             yield from res.new_log_lines(self.client("s3"), facts["prefix"], seen,
                                          host=host, rank=rank)
-            if not follow or self.job_status(record)["state"] in TERMINAL_STATES:
+            if not follow or self.job_status(record)["status"] in FINAL_STATUSES:
                 yield from res.new_log_lines(self.client("s3"), facts["prefix"], seen,
                                              host=host, rank=rank)
                 return
@@ -311,6 +315,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
                        + (f"; could not remove {', '.join(left)}: run `dtrain ec2 gc`" if left
                           else "") + "\n")
         return store.update(record.id, status=STOPPING,
+                            failure_reason="stopped by user (dtrain stop)",
                             target_data={"cleanup": self._teardown_cleanup(created, left)})
 
     # ---------------------------------------------------------------- groups of ended jobs
@@ -401,14 +406,6 @@ def retry_hint(record: JobRecord) -> str:
 def join_names(names: list[str]) -> str:
     """Names as one phrase: "a", "a and b", "a, b and c"."""
     return " and ".join(filter(None, [", ".join(names[:-1]), *names[-1:]]))
-
-
-def store_status(current: dict[str, Any]) -> str | None:
-    """The job state -> the store's status names; None (keep the stored one) when unknown."""
-    state = current["state"]
-    if state == "InProgress":
-        return STARTING if current.get("secondary_status") == "Starting" else RUNNING
-    return state if state in STATUSES else None
 
 
 def dumps(request: dict[str, Any]) -> str:

@@ -17,8 +17,11 @@ from typing import Any
 from dtrain.errors import DtrainError
 from dtrain.launcher import aws
 from dtrain.launcher import ec2_requests as req
+from dtrain.store import COMPLETED, FAILED, RUNNING, STARTING, STOPPED, STOPPING
 
 LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
+RUNNING_STATES = ("pending", "running")  # a node in these can still do work and report it
+NODE_FINAL_STATES = ("completed", "stopped", "failed")  # what ec2_bootstrap writes at the end
 DELETE_ATTEMPTS = 20
 DELETE_RETRY_S = 15.0
 # EC2's answers while terminated nodes' network interfaces are still detaching: try again later.
@@ -230,25 +233,43 @@ def read_status_objects(s3: Any, prefix: str) -> list[dict[str, Any]]:
 
 
 def job_state(instances: dict[str, str], nodes: list[dict], num_nodes: int) -> dict[str, Any]:
-    """One state for the job: Failed / Completed from the nodes' reports, else from EC2."""
-    failed = [n for n in nodes if n.get("state") == "failed"]
-    if failed:
-        first = failed[0]
-        return {"state": "Failed", "failure_reason":
-                first.get("reason") or f"node {first.get('host')} failed"}
-    done = [n for n in nodes if n.get("state") == "completed"]
-    if num_nodes and len(done) >= num_nodes:
-        return {"state": "Completed", "failure_reason": None}
-    live = [s for s in instances.values() if s in ("pending", "running")]
-    if live:
+    """The job's store status from EC2's instance states and each node's own report.
+
+    ``status`` is one of the store's names (None: nothing is known yet), ``secondary_status``
+    says more while it runs. A failed node fails the job at once; ``Ec2Launcher.status`` then
+    terminates the nodes still running, as SageMaker stops a failed job's other hosts. A stopped
+    node (interrupted: it or a peer got SIGTERM and its workers stopped after a checkpoint) makes
+    the job Stopping while other nodes still run, so they can checkpoint and upload too, then
+    Stopped with the node's own reason (the runtime's interruption line) once none runs.
+    """
+    by_state: dict[str, list[dict]] = {}
+    for node in nodes:
+        by_state.setdefault(node.get("state"), []).append(node)
+    if by_state.get("failed"):
+        first = by_state["failed"][0]
+        return _state(FAILED, first.get("reason") or f"node {first.get('host')} failed")
+    if num_nodes and len(by_state.get("completed", [])) >= num_nodes:
+        return _state(COMPLETED)
+    reported = {n.get("instance_id") for n in nodes if n.get("state") in NODE_FINAL_STATES}
+    # nodes that may still report: their instance runs and they have not said they ended
+    still = [i for i, state in instances.items() if state in RUNNING_STATES and i not in reported]
+    stopped = by_state.get("stopped", [])
+    if stopped:
+        reason = next((n["reason"] for n in stopped if n.get("reason")), None) or (
+            f"node {stopped[0].get('host')} was interrupted (SIGTERM); resubmit to resume")
+        return _state(STOPPING, reason, "Interrupted") if still else _state(STOPPED, reason)
+    if still:
         running = any(n.get("state") == "running" for n in nodes)
-        return {"state": "InProgress", "secondary_status": "Training" if running else "Starting",
-                "failure_reason": None}
+        return _state(RUNNING, None, "Training") if running else _state(STARTING, None, "Starting")
     if not instances and not nodes:
-        return {"state": "Unknown", "failure_reason": None}
-    return {"state": "Stopped", "failure_reason":
-            "nodes ended before every node reported completion (stopped, spot interruption or "
-            "max_run)"}
+        return _state(None)
+    return _state(STOPPED, "nodes ended before every node reported completion (stopped, spot "
+                           "interruption or max_run)")
+
+
+def _state(status: str | None, reason: str | None = None,
+           secondary: str | None = None) -> dict[str, Any]:
+    return {"status": status, "secondary_status": secondary, "failure_reason": reason}
 
 
 def new_log_lines(s3: Any, prefix: str, seen: dict[str, int], *, host: str | None,

@@ -152,19 +152,26 @@ def test_a_failing_agent_is_reported_failed_in_the_status_objects(s3, tmp_path, 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["failed", "failed"]
     state = job_state({}, nodes, 2)
-    assert state["state"] == "Failed" and "code 3" in state["failure_reason"]
+    assert state["status"] == "Failed" and "code 3" in state["failure_reason"]
 
 
-def test_an_interrupted_agent_stops_the_job_instead_of_failing_it(s3, tmp_path, monkeypatch):
+def test_an_interrupted_agent_stops_the_job_with_its_line_instead_of_failing_it(
+        s3, tmp_path, monkeypatch):
     config = job_config("tok4")
     upload_artifacts(s3, config)
+    monkeypatch.setenv("STUB_FAILURE", "interrupted: training stopped at step 12 after a "
+                       "checkpoint because a host received SIGTERM; resubmit to resume from {s3}")
     # 143: the node was SIGTERMed, or its workers stopped after a checkpoint because one was.
     assert run_two_nodes(s3, tmp_path, config, monkeypatch, exit_code=143) == [143, 143]
     from dtrain.launcher.ec2_resources import job_state, read_status_objects
 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["stopped", "stopped"]
-    assert job_state({"i-0": "terminated", "i-1": "terminated"}, nodes, 2)["state"] == "Stopped"
+    state = job_state({"i-0": "terminated", "i-1": "terminated"}, nodes, 2)
+    assert state["status"] == "Stopped"
+    assert state["failure_reason"] == (
+        "interrupted: training stopped at step 12 after a checkpoint because a host received "
+        f"SIGTERM; resubmit to resume from s3://{BUCKET}/dtrain/{JOB}/checkpoints")
 
 
 def test_checkpoints_go_where_the_interruption_line_says_even_without_a_checkpoint_uri(

@@ -109,8 +109,9 @@ def fail_run_instances_after(client, launched: int, code="InsufficientInstanceCa
     client.meta.events.register("before-call.ec2.RunInstances", handler)
 
 
-@pytest.fixture
-def aws(tmp_path, monkeypatch):
+def moto_aws(tmp_path, monkeypatch):
+    """The moto account every EC2 test runs in (the ``aws`` fixture; other test modules wrap it
+    in theirs)."""
     monkeypatch.setenv("DTRAIN_HOME", str(tmp_path / "home"))
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.setenv(key, "testing")
@@ -129,6 +130,11 @@ def aws(tmp_path, monkeypatch):
             Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"][0]
         yield {"ec2": ec2, "s3": s3, "subnet": subnet, "pg": groups,
                "sent": record_run_instances(ec2)}
+
+
+@pytest.fixture
+def aws(tmp_path, monkeypatch):
+    yield from moto_aws(tmp_path, monkeypatch)
 
 
 def launcher_for(aws, **kwargs) -> Ec2Launcher:
@@ -199,7 +205,7 @@ def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
     keys = {o["Key"] for o in aws["s3"].list_objects_v2(Bucket=BUCKET)["Contents"]}
     assert {f"dtrain/{JOB}/source/sourcedir.tar.gz",
             f"dtrain/{JOB}/source/{req.WHEEL_NAME}"} <= keys
-    assert launcher.job_status(record)["state"] == "InProgress"
+    assert launcher.job_status(record)["status"] == "Starting"
     assert launcher.status(record).status == "Starting"  # no node has reported running yet
 
 
@@ -291,7 +297,7 @@ def test_gc_removes_planted_leftovers_and_nothing_untagged(aws):
     groups = {g["GroupId"] for g in aws["ec2"].describe_security_groups()["SecurityGroups"]}
     assert planted["group"] not in groups and planted["my_group"] in groups
     assert "dtrain-old-t1" not in aws["pg"].groups and len(aws["pg"].groups) == 1
-    assert launcher.job_status(record)["state"] == "InProgress"
+    assert launcher.job_status(record)["status"] == "Starting"
 
 
 # ---------------------------------------------------------------- a job that ends on its own

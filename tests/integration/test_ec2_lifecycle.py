@@ -1,0 +1,71 @@
+"""How an EC2 job ends against moto: an interruption, and `dtrain stop`.
+
+The moto account, the placement-group double and the helpers come from ``test_ec2_launch`` (see
+its docstring for what each test double stands in for). Nodes are played by the test: it writes
+their status objects with ``ec2_bootstrap.write_status``, as the bootstrap does, and powers them
+off through its own client.
+"""
+
+from __future__ import annotations
+
+import boto3
+import pytest
+import test_ec2_launch as ec2_test
+from dtrain.launcher import ec2_bootstrap as boot
+from test_ec2_launch import (
+    REGION,
+    launcher_for,
+    live_instances,
+    p4d_request,
+)
+
+LINE = ("interrupted: training stopped at step 1200 after a checkpoint because a host received "
+        "SIGTERM; resubmit to resume from s3://dtrain-example-bucket/dtrain/{job}/checkpoints/"
+        "step-001200")
+
+
+@pytest.fixture
+def aws(tmp_path, monkeypatch):
+    yield from ec2_test.moto_aws(tmp_path, monkeypatch)
+
+
+def report(aws, record, rank: int, state: str, reason: str = "") -> str:
+    """Node ``rank`` writes its status object, as ``ec2_bootstrap.run_node`` does; its id."""
+    instance_id = record.target_data["instance_ids"][rank]
+    instance = aws["ec2"].describe_instances(
+        InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]
+    node = boot.Node(rank=rank, private_ip=instance["PrivateIpAddress"], instance_id=instance_id,
+                     root="/opt/ml", work_dir="/opt/dtrain")
+    boot.write_status(aws["s3"], record.target_data, node, state, reason=reason)
+    return instance_id
+
+
+def power_off(*instance_ids: str) -> None:
+    """A node's own shutdown (InstanceInitiatedShutdownBehavior=terminate), not dtrain's call."""
+    boto3.client("ec2", region_name=REGION).terminate_instances(InstanceIds=list(instance_ids))
+
+
+# ---------------------------------------------------------------- interruption
+
+def test_an_interrupted_job_is_stopping_while_a_peer_runs_then_stopped_with_the_runtimes_line(
+        aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    line = LINE.format(job=record.name)
+    first = report(aws, record, 0, "stopped", line)  # the peer of the interrupted host...
+    power_off(first)
+    report(aws, record, 1, "running")  # ...while this one still checkpoints and uploads
+    record = launcher.status(record)
+    assert (record.status, record.target_data["secondary_status"]) == ("Stopping", "Interrupted")
+    assert record.failure_reason == line
+    assert len(live_instances(aws["ec2"])) == 1  # an interruption does not kill the peer
+    power_off(record.target_data["instance_ids"][1])  # its bootstrap was killed with the node
+    record = launcher.status(record)
+    assert record.status == "Stopped" and record.failure_reason == line
+
+
+def test_dtrain_stop_says_stopped_by_user(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.stop(launcher.submit(p4d_request(launcher, aws)))
+    record = launcher.status(record)
+    assert record.status == "Stopped" and record.failure_reason == "stopped by user (dtrain stop)"

@@ -1,0 +1,67 @@
+"""One status for an EC2 job from EC2's instance states and each node's own status object.
+
+The nodes' reports are what ``ec2_bootstrap.run_node`` writes to ``{prefix}/status/<host>.json``:
+``starting``, ``running``, then ``completed``, ``failed`` or ``stopped`` (exit code 143: the node
+or a peer got SIGTERM and the workers stopped after a checkpoint), with the node agent's reason.
+"""
+
+from __future__ import annotations
+
+from dtrain.launcher.ec2_resources import job_state
+
+LINE = ("interrupted: training stopped at step 1200 after a checkpoint because a host received "
+        "SIGTERM; resubmit to resume from s3://b/dtrain/job/checkpoints/step-001200")
+
+
+def node(rank: int, state: str, reason: str = "") -> dict:
+    return {"host": f"10.0.0.{rank + 1}", "rank": rank, "instance_id": f"i-{rank}",
+            "state": state, "reason": reason}
+
+
+def test_stopped_nodes_still_powering_off_make_the_job_stopped_not_starting():
+    # a node writes its last status after its uploads: both are done, only the power-off is left
+    state = job_state({"i-0": "running", "i-1": "running"},
+                      [node(0, "stopped", LINE), node(1, "stopped", LINE)], 2)
+    assert state == {"status": "Stopped", "secondary_status": None, "failure_reason": LINE}
+
+
+def test_an_interrupted_node_with_a_peer_still_training_is_stopping_until_the_peer_ends():
+    nodes = [node(0, "stopped", LINE), node(1, "running")]
+    # the peer checkpoints and uploads too before it stops: not final, and not "Starting"
+    assert job_state({"i-0": "terminated", "i-1": "running"}, nodes, 2) == {
+        "status": "Stopping", "secondary_status": "Interrupted", "failure_reason": LINE}
+    # the peer's instance is gone without a last report (its bootstrap was killed): ended
+    ended = job_state({"i-0": "terminated", "i-1": "terminated"}, nodes, 2)
+    assert ended == {"status": "Stopped", "secondary_status": None, "failure_reason": LINE}
+
+
+def test_all_nodes_done_some_interrupted_is_stopped_with_the_runtimes_line_not_a_generic_one():
+    nodes = [node(0, "completed"), node(1, "stopped", LINE)]
+    state = job_state({"i-0": "running", "i-1": "running"}, nodes, 2)
+    assert state["status"] == "Stopped" and state["failure_reason"] == LINE
+    # a stopped node without a reason still says it was interrupted
+    bare = job_state({}, [node(0, "stopped"), node(1, "stopped")], 2)
+    assert bare["status"] == "Stopped" and "10.0.0.1 was interrupted" in bare["failure_reason"]
+
+
+def test_a_failed_node_fails_the_job_even_while_peers_run_or_were_interrupted():
+    nodes = [node(0, "failed", "rank 3 exited with code 1: CUDA error"), node(1, "stopped", LINE),
+             node(2, "running")]
+    state = job_state({"i-0": "terminated", "i-1": "running", "i-2": "running"}, nodes, 3)
+    assert state["status"] == "Failed"
+    assert state["failure_reason"] == "rank 3 exited with code 1: CUDA error"
+
+
+def test_starting_running_completed_and_unknown():
+    live = {"i-0": "running", "i-1": "pending"}
+    assert job_state(live, [node(0, "starting")], 2)["status"] == "Starting"
+    assert job_state(live, [node(0, "running"), node(1, "starting")], 2) == {
+        "status": "Running", "secondary_status": "Training", "failure_reason": None}
+    assert job_state(live, [node(0, "completed"), node(1, "completed")], 2)["status"] == \
+        "Completed"
+    assert job_state({}, [], 2)["status"] is None
+
+
+def test_nodes_gone_without_any_final_report_is_stopped_with_the_generic_reason():
+    state = job_state({"i-0": "terminated", "i-1": "stopped"}, [node(0, "running")], 2)
+    assert state["status"] == "Stopped" and "before every node reported" in state["failure_reason"]
