@@ -74,6 +74,38 @@ def test_identical_runs_give_identical_losses(job, tmp_path_factory, monkeypatch
     assert len(runs[0]) == 5 and runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_trains_with_fp32_master_weights(job, monkeypatch, precision):
+    from dtrain.runtime.models.hf_io import load_pretrained
+    from dtrain.runtime.recipes import causal_lm
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("DTRAIN_DISTRIBUTION", json.dumps({"mixed_precision": precision}))
+    logits_dtypes = set()
+
+    def watched_loss(model, batch):  # the dtype the model computes in
+        hook = model.register_forward_hook(lambda _m, _i, out: logits_dtypes.add(out.dtype))
+        try:
+            return next_token_loss(model, batch)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(causal_lm, "next_token_loss", watched_loss)
+    code = causal_lm.main(["--model", "gpt-neox-tiny", "--data", str(job / "corpus.txt"),
+                           "--steps", "12", "--lr", "3e-3", "--log_interval", "4", *COMMON])
+    assert code == 0
+    assert logits_dtypes == {torch.bfloat16 if precision == "bf16" else torch.float16}
+    records = _records(job / "output")
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5
+    # fp16 needs the dynamic loss scaler (and reports its scale); bf16 has fp32's range
+    assert all(("loss_scale" in r) == (precision == "fp16") for r in records)
+    saved = load_file(job / "model" / "model.safetensors")
+    assert {tensor.dtype for tensor in saved.values()} == {torch.float32}
+    model = load_pretrained(job / "model")
+    assert torch.isfinite(model(torch.zeros(1, 8, dtype=torch.long))).all()
+
+
 def test_masked_lm_trains_bert_tiny(job):
     from dtrain.runtime.recipes import masked_lm
 
