@@ -10,11 +10,12 @@ every node launched and deletes what was created, then raises one line saying wh
 ``submit`` returns the job's store record; ``status``/``logs``/``stop`` take it. Instances carry
 the job's tags (its S3 prefix and launch token included), nodes write
 ``{prefix}/status/<host>.json`` and their logs under ``{prefix}/logs/<host>/``. ``stop``
-terminates every node and deletes the groups dtrain created. A job that ends on its own leaves
-nothing behind either: the ``status`` call that sees it end deletes the groups dtrain created for
-it, one try per call (a security group stays in use while the nodes' network interfaces detach),
-and keeps what happened in the record's ``cleanup`` so later calls know whether to try again;
-``pending_cleanup`` tells a caller waiting for the job what is still to go.
+terminates every node and deletes the groups dtrain created, also for a job that already ended.
+A job that ends on its own leaves nothing behind either: the ``status`` call that sees it end
+terminates what of it still runs (a failed node's peers) and deletes the groups dtrain created
+for it, one try per call (a security group stays in use while the nodes' network interfaces
+detach), and keeps what happened in the record's ``cleanup`` so later calls know whether to try
+again; ``pending_cleanup`` tells a caller waiting for the job what is still to go.
 """
 
 from __future__ import annotations
@@ -264,8 +265,9 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
     def status(self, record: JobRecord | str, *, store: JobStore | None = None) -> JobRecord:
         """Refresh the record from EC2 and the nodes' status objects.
 
-        The call that sees the job end (Completed, Failed, Stopped) also removes the groups
-        dtrain created for it; while one is still in use, later calls try again.
+        The call that sees the job end (Completed, Failed, Stopped) also terminates whatever of
+        it still runs and removes the groups dtrain created for it; while a group is still in
+        use, later calls try again.
         """
         store, record = self._resolve(record, store)
         if record.is_final:
@@ -284,7 +286,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         data = {"secondary_status": current.get("secondary_status"),
                 "instances": current["instances"], "model_data": current["model_data"]}
         if status in FINAL_STATUSES and cleanup_pending(record):
-            data["cleanup"] = self._remove_groups(record)
+            data["cleanup"] = self._clear(record)
         return store.update(record.id, status=status, target_data=data, **fields)
 
     def logs(self, record: JobRecord | str, *, follow: bool = False, host: str | None = None,
@@ -303,25 +305,34 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
             self.sleep(poll_s)
 
     def stop(self, record: JobRecord | str, *, store: JobStore | None = None) -> JobRecord:
-        """Terminate every node of the job, then delete the groups dtrain created for it."""
+        """Terminate every node of the job, then delete the groups dtrain created for it.
+
+        Also for a job that has already ended (one failed node ends a job while its peers may
+        still run): whatever of it still runs is terminated, and the job keeps its status.
+        """
         store, record = self._resolve(record, store)
-        if record.is_final:
-            return self._retry_cleanup(record, store)
         ec2 = self.client("ec2")
         created = res.job_resources(ec2, record.name,
-                                    launch=record.target_data.get("launch_token"))
+                                    launch=(record.target_data or {}).get("launch_token"))
+        if record.is_final and not (created.instances or created.security_groups
+                                    or created.placement_groups):
+            return record
         left = res.rollback(ec2, None, created, sleep=self.sleep, keep_uploads=True)
-        self.out.write(f"stopped {record.name}: terminated {len(created.instances)} node(s)"
-                       + (f"; could not remove {', '.join(left)}: run `dtrain ec2 gc`" if left
-                          else "") + "\n")
+        ended = f" (it had ended: {record.status})" if record.is_final else ""
+        self.out.write(f"stopped {record.name}{ended}: terminated {len(created.instances)} "
+                       "node(s)" + (f"; could not remove {', '.join(left)}: run `dtrain ec2 gc`"
+                                    if left else "") + "\n")
+        cleanup = {"cleanup": self._teardown_cleanup(created, left)}
+        if record.is_final:
+            return store.update_target_data(record.id, cleanup)
         return store.update(record.id, status=STOPPING,
-                            failure_reason="stopped by user (dtrain stop)",
-                            target_data={"cleanup": self._teardown_cleanup(created, left)})
+                            failure_reason="stopped by user (dtrain stop)", target_data=cleanup)
 
     # ---------------------------------------------------------------- groups of ended jobs
 
     def pending_cleanup(self, record: JobRecord) -> PendingCleanup | None:
-        """The groups of an ended job that ``status`` still tries to remove, from the record."""
+        """What of an ended job ``status`` still tries to remove (its groups, once its nodes
+        have terminated), from the record."""
         if not record.is_final or not cleanup_pending(record):
             return None
         facts = record.target_data or {}
@@ -335,20 +346,21 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
             once = "the node has terminated" if nodes == 1 else f"the {nodes} nodes have terminated"
         else:
             once = "EC2 releases them" + (f" ({cleanup['reason']})" if cleanup.get("reason") else "")
-        return PendingCleanup(what=join_names(left) or "the groups dtrain created for it",
+        return PendingCleanup(what=join_names(left) or "its nodes",
                               once=once, retry_hint=retry_hint(record))
 
     def _retry_cleanup(self, record: JobRecord, store: JobStore) -> JobRecord:
         """An ended job whose groups were still in use last time: one more try."""
         if not cleanup_pending(record):
             return record  # removed, or left to `dtrain ec2 gc`: no AWS call
-        return store.update_target_data(record.id, {"cleanup": self._remove_groups(record)})
+        return store.update_target_data(record.id, {"cleanup": self._clear(record)})
 
-    def _remove_groups(self, record: JobRecord) -> dict[str, Any]:
-        """Delete the groups dtrain created for an ended job once; say and return the outcome."""
+    def _clear(self, record: JobRecord) -> dict[str, Any]:
+        """Terminate what still runs of an ended job and delete its groups, once; say and
+        return the outcome."""
         try:
-            removal = res.remove_groups(self.client("ec2"), record.name,
-                                        launch=record.target_data.get("launch_token"))
+            removal = res.clear_ended_job(self.client("ec2"), record.name,
+                                          launch=record.target_data.get("launch_token"))
         except Exception as exc:  # noqa: BLE001 - a failed clean-up must not fail `status`
             removal = res.Removal(left=[f"the groups of {record.name}"], reason=str(
                 aws.as_dtrain_error(exc, "finding the groups")))
@@ -359,12 +371,15 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         now = self.clock().timestamp()
         first_try = previous.get("first_try_at", now)
         removed = [*previous.get("removed", []), *removal.removed]
+        if removal.terminated:
+            self.out.write(f"{record.name} ended: terminated {len(removal.terminated)} node(s) "
+                           f"still running ({', '.join(removal.terminated)})\n")
         if removal.removed:
             self.out.write(f"{record.name} ended: removed {', '.join(removal.removed)} "
                            "(the groups dtrain created for it)\n")
-        if not removal.left:
+        if not removal.left and not removal.nodes_left:
             return {"state": "done", "removed": removed}
-        what = ", ".join(removal.left)
+        what = ", ".join(removal.left) or f"{removal.nodes_left} node(s)"
         if removal.retry and now - first_try < CLEANUP_RETRY_S:
             if record.id not in self._told_pending:
                 self.out.write(f"{record.name} ended: {what} not removed yet ({removal.reason}); "

@@ -135,12 +135,14 @@ def rollback(ec2: Any, s3: Any, created: Created, *, sleep: Callable[[float], No
     """Remove everything in ``created``; returns what could not be removed (for the message)."""
     left: list[str] = []
     if created.instances:
+        going = _terminate(ec2, created.instances)
+        left += [i for i in created.instances if i not in going]
         try:
-            ec2.terminate_instances(InstanceIds=created.instances)
-            ec2.get_waiter("instance_terminated").wait(
-                InstanceIds=created.instances, WaiterConfig={"Delay": 15, "MaxAttempts": 40})
+            if going:
+                ec2.get_waiter("instance_terminated").wait(
+                    InstanceIds=going, WaiterConfig={"Delay": 15, "MaxAttempts": 40})
         except Exception:  # noqa: BLE001 - reported below, the rest still gets a try
-            left += created.instances
+            left += going
     for group_id in created.security_groups:
         if not _delete_with_retry(lambda g=group_id: ec2.delete_security_group(GroupId=g), sleep):
             left.append(group_id)
@@ -152,6 +154,22 @@ def rollback(ec2: Any, s3: Any, created: Created, *, sleep: Callable[[float], No
 
         packaging.delete_objects(s3, created.uploads)
     return left
+
+
+def _terminate(ec2: Any, instance_ids: list[str]) -> list[str]:
+    """Ask EC2 to terminate the nodes; returns those it accepted. EC2 refuses a whole call for
+    one id it will not take, so then each node gets its own call."""
+    if _terminate_once(ec2, instance_ids):
+        return list(instance_ids)
+    return [i for i in instance_ids if len(instance_ids) > 1 and _terminate_once(ec2, [i])]
+
+
+def _terminate_once(ec2: Any, instance_ids: list[str]) -> bool:
+    try:
+        ec2.terminate_instances(InstanceIds=instance_ids)
+    except Exception:  # noqa: BLE001 - the caller reports what is left
+        return False
+    return True
 
 
 def _delete_with_retry(delete: Callable[[], Any], sleep: Callable[[float], None]) -> bool:
@@ -177,32 +195,46 @@ def _delete_once(delete: Callable[[], Any]) -> BaseException | None:
 
 @dataclass
 class Removal:
-    """One try at removing a finished job's groups: what went, what is left and why."""
+    """One try at clearing an ended job: what went, what is left and why."""
 
     removed: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
     reason: str | None = None
     retry: bool = True  # False: EC2 refused for a reason waiting will not fix
-    nodes_left: int = 0  # nodes of the launch not terminated yet: nothing was tried
+    nodes_left: int = 0  # nodes of the launch not terminated yet: no group was tried
+    terminated: list[str] = field(default_factory=list)  # nodes this try asked EC2 to terminate
 
 
-def remove_groups(ec2: Any, job: str, *, launch: str | None) -> Removal:
-    """Delete the security and placement groups dtrain created for a job that has ended, once.
+def clear_ended_job(ec2: Any, job: str, *, launch: str | None) -> Removal:
+    """Terminate what still runs of a job that has ended, and delete its groups; one try.
 
-    While a node of the launch is not yet terminated its network interfaces hold the security
-    group (and the node the placement group), so nothing is tried then. No waiting, no sleeping:
-    the caller records what is left and tries again on its next call.
+    A job ends while nodes may still run: a failed node ends it while its peers hang in a
+    collective, and a node can be stopped rather than terminated. Those are terminated (a node
+    already shutting down is left to finish). While a node of the launch is not yet terminated
+    its network interfaces hold the security group (and the node the placement group), so no
+    group is tried then. No waiting, no sleeping: the caller records what is left and tries
+    again on its next call.
     """
-    found = job_resources(ec2, job, launch=launch)
+    instances = [i for i in job_instances(ec2, job, launch=launch)
+                 if i["State"]["Name"] != "terminated"]
     result = Removal()
-    groups = ([(g, lambda g=g: ec2.delete_security_group(GroupId=g))
-               for g in found.security_groups]
-              + [(n, lambda n=n: ec2.delete_placement_group(GroupName=n))
-                 for n in found.placement_groups])
-    if found.instances:
+    groups = ([(g["GroupId"], lambda g=g["GroupId"]: ec2.delete_security_group(GroupId=g))
+               for g in job_security_groups(ec2, job, launch=launch)]
+              + [(g["GroupName"], lambda n=g["GroupName"]: ec2.delete_placement_group(GroupName=n))
+                 for g in job_placement_groups(ec2, job, launch=launch)])
+    if instances:
         result.left = [name for name, _ in groups]
-        result.nodes_left = len(found.instances)
+        result.nodes_left = len(instances)
         result.reason = f"{result.nodes_left} node(s) not terminated yet"
+        running = [i["InstanceId"] for i in instances if i["State"]["Name"] != "shutting-down"]
+        if running:
+            try:
+                ec2.terminate_instances(InstanceIds=running)
+                result.terminated = running
+            except Exception as exc:  # noqa: BLE001 - reported; the next call tries again
+                code = aws.error_code(exc)
+                result.reason += f"; {aws.as_dtrain_error(exc, 'terminating ' + ', '.join(running))}"
+                result.retry = code is None or code.startswith(("RequestLimit", "Throttl"))
         return result
     for name, delete in groups:
         error = _delete_once(delete)

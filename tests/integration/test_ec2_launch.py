@@ -338,6 +338,27 @@ def security_group_in_use(client, *, times: int | None = None) -> list[str]:
     return calls
 
 
+def termination_takes_a_while(client) -> list[list[str]]:
+    """TerminateInstances answered as EC2 answers it (the nodes are "shutting-down") while
+    moto's nodes keep running: a real node takes about a minute to terminate, moto's none. The
+    tests power the nodes off later through another client. Returns the ids of each call."""
+    asked: list[list[str]] = []
+
+    def keep(params, **_):
+        asked.append(list(params["InstanceIds"]))
+
+    def answer(**_):
+        return AWSResponse("https://ec2", 200, {}, None), {
+            "TerminatingInstances": [{"InstanceId": i,
+                                      "CurrentState": {"Code": 32, "Name": "shutting-down"},
+                                      "PreviousState": {"Code": 16, "Name": "running"}}
+                                     for i in asked[-1]],
+            "ResponseMetadata": {"HTTPStatusCode": 200}}
+    client.meta.events.register("before-parameter-build.ec2.TerminateInstances", keep)
+    client.meta.events.register("before-call.ec2.TerminateInstances", answer)
+    return asked
+
+
 def count_ec2_calls(client) -> list[str]:
     calls: list[str] = []
     client.meta.events.register("before-parameter-build.ec2",
@@ -351,12 +372,16 @@ def test_a_job_that_completes_on_its_own_leaves_no_group_once_status_sees_it_end
     group = record.target_data["security_group_id"]
     # nodes report completion a moment before they power off: the groups are still in use
     finish_nodes(aws, record, power_off=False)
+    asked = termination_takes_a_while(aws["ec2"])
     record = launcher.status(record)
     assert record.status == "Completed"
+    # what still runs of an ended job is terminated, not trusted to power itself off
+    assert asked == [record.target_data["instance_ids"]]
     cleanup = record.target_data["cleanup"]
     assert cleanup["state"] == "pending" and "2 node(s) not terminated yet" in cleanup["reason"]
     assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [group]
-    aws["ec2"].terminate_instances(InstanceIds=record.target_data["instance_ids"])
+    boto3.client("ec2", region_name=REGION).terminate_instances(  # EC2 finishes shutting down
+        InstanceIds=record.target_data["instance_ids"])
     record = launcher.status(record)
     assert record.status == "Completed" and record.target_data["cleanup"]["state"] == "done"
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
@@ -486,6 +511,7 @@ def test_waiting_goes_on_after_completed_until_the_nodes_terminated_and_the_grou
     record = launcher.submit(p4d_request(launcher, aws))
     group, pg = record.target_data["security_group_id"], record.target_data["placement_group"]
     finish_nodes(aws, record, power_off=False)  # "completed" is written, the nodes shut down
+    termination_takes_a_while(aws["ec2"])
     other = boto3.client("ec2", region_name=REGION)  # the nodes' own power-off, not the waiter's
     # looks 1-2: the status call that sees Completed; 3-4: two more polls while nodes still run
     looks = on_describe_instances(aws["ec2"], at=4, do=lambda: other.terminate_instances(
@@ -510,6 +536,7 @@ def test_waiting_for_the_groups_is_bounded_and_a_completed_job_stays_completed(a
     record = launcher.submit(p4d_request(launcher, aws))
     group = record.target_data["security_group_id"]
     finish_nodes(aws, record, power_off=False)  # and the nodes never terminate
+    termination_takes_a_while(aws["ec2"])
     notes, out = [], io.StringIO()
     started = time.monotonic()
     final = jobs.wait_for(record.id, clients=wait_clients(aws, out), poll_s=0.01, settle_s=0.5,
@@ -531,6 +558,7 @@ def test_ctrl_c_while_waiting_for_the_groups_returns_the_ended_job_and_says_who_
     launcher = launcher_for(aws, assume_yes=True)
     record = launcher.submit(p4d_request(launcher, aws))
     finish_nodes(aws, record, state="failed", power_off=False)
+    termination_takes_a_while(aws["ec2"])
 
     def ctrl_c():
         raise KeyboardInterrupt

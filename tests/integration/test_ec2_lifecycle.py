@@ -1,4 +1,5 @@
-"""How an EC2 job ends against moto: an interruption, and `dtrain stop`.
+"""How an EC2 job ends against moto: an interruption, a failed node whose peers still run, and
+`dtrain stop`, also of a job that has already ended.
 
 The moto account, the placement-group double and the helpers come from ``test_ec2_launch`` (see
 its docstring for what each test double stands in for). Nodes are played by the test: it writes
@@ -12,8 +13,10 @@ import boto3
 import pytest
 import test_ec2_launch as ec2_test
 from dtrain.launcher import ec2_bootstrap as boot
+from dtrain.store import JobStore
 from test_ec2_launch import (
     REGION,
+    dtrain_groups,
     launcher_for,
     live_instances,
     p4d_request,
@@ -69,3 +72,48 @@ def test_dtrain_stop_says_stopped_by_user(aws):
     record = launcher.stop(launcher.submit(p4d_request(launcher, aws)))
     record = launcher.status(record)
     assert record.status == "Stopped" and record.failure_reason == "stopped by user (dtrain stop)"
+
+
+# ---------------------------------------------------------------- nothing runs once a job ended
+
+def test_a_failed_node_fails_the_job_and_status_terminates_its_peers_still_running(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    failed = report(aws, record, 0, "failed", "rank 3 exited with code 1: CUDA error")
+    power_off(failed)
+    peer = report(aws, record, 1, "running")  # hangs in a collective waiting for node 0
+    record = launcher.status(record)
+    assert record.status == "Failed"
+    assert record.failure_reason == "rank 3 exited with code 1: CUDA error"
+    assert live_instances(aws["ec2"]) == []
+    assert f"terminated 1 node(s) still running ({peer})" in launcher.out.getvalue()
+    assert record.target_data["cleanup"]["state"] == "pending"  # groups: once it is gone
+    record = launcher.status(record)
+    assert record.target_data["cleanup"]["state"] == "done" and dtrain_groups(aws["ec2"]) == []
+    assert aws["pg"].groups == {} and record.status == "Failed"
+
+
+def ended_with_a_live_peer(aws, launcher):
+    """A Failed job whose peer still runs, as a dtrain that did not terminate peers left it."""
+    record = launcher.submit(p4d_request(launcher, aws))
+    power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1"))
+    store = JobStore()
+    store.update(record.id, status="Failed", failure_reason="rank 3 exited with code 1")
+    record = store.update_target_data(record.id, {"cleanup": {
+        "state": "left-for-gc", "removed": [], "left": [record.target_data["security_group_id"]],
+        "reason": "1 node(s) not terminated yet", "nodes_left": 1}})
+    assert len(live_instances(aws["ec2"])) == 1
+    return record
+
+
+def test_stop_of_a_job_that_already_failed_terminates_what_still_runs_and_keeps_the_status(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    record = ended_with_a_live_peer(aws, launcher)
+    stopped = launcher.stop(record.id)
+    assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
+    assert aws["pg"].groups == {}
+    assert stopped.status == "Failed" and stopped.failure_reason == "rank 3 exited with code 1"
+    assert stopped.target_data["cleanup"]["state"] == "done"
+    assert "(it had ended: Failed): terminated 1 node(s)" in launcher.out.getvalue()
+    calls = ec2_test.count_ec2_calls(aws["ec2"])
+    assert launcher.stop(stopped) == stopped and "TerminateInstances" not in calls
