@@ -5,10 +5,15 @@ prints), sends it with ``submit``, and then answers ``status``/``logs``/``stop``
 record the store holds. A backend that removes what it created only once the job's machines are
 gone says so through ``pending_cleanup``, so a caller that waits for the job can wait for that
 too. Backends are imported only when used, so ``import dtrain`` stays light.
+
+``this_process``/``process_alive`` let a backend whose client process owns a step (the EC2
+launch, until every node runs) tell later whether that process died without finishing it.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -101,3 +106,51 @@ def get_launcher(name: str, **clients: Any) -> Launcher:
     except (ImportError, AttributeError) as exc:
         raise DtrainError(f"target {name!r} is not available in this install: {exc}") from None
     return backend_class(**clients)
+
+
+# ---------------------------------------------------------------- the process that owns a step
+
+def this_process() -> dict[str, Any]:
+    """This process, described well enough to tell later whether it still runs."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "boot_id": _boot_id(),
+            "start": _start_ticks(pid)}
+
+
+def process_alive(owner: dict[str, Any] | None) -> bool | None:
+    """Whether the process ``this_process()`` described still runs; None when this machine
+    cannot tell (it ran on another host, or the record predates the description)."""
+    if not owner or owner.get("host") != socket.gethostname():
+        return None
+    if owner.get("boot_id") != _boot_id():
+        return False  # rebooted since: every process of then is gone
+    pid = int(owner["pid"])
+    start = _start_ticks(pid)
+    if start is not None or os.path.isdir("/proc"):
+        # a zombie or a later process that got the same pid is not the owner
+        return start is not None and owner.get("start") in (None, start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time since boot); None if gone, a zombie, or no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])

@@ -5,7 +5,9 @@
 ``{output_path}/{job}/source/``, resolves the lookups (DLAMI id from SSM, subnet, VPC), creates
 the placement and security groups and launches one node at a time. Any failure after the first
 resource exists — ``InsufficientInstanceCapacity`` on node 2, Ctrl-C, anything — terminates
-every node launched and deletes what was created, then raises one line saying what to try.
+every node launched and deletes what was created, then raises one line saying what to try. The
+record names the launching process until every node is launched, so a launcher killed outright
+leaves a record ``status`` can end (and ``stop`` meanwhile makes the launch roll back).
 
 ``submit`` returns the job's store record; ``status``/``logs``/``stop`` take it. Instances carry
 the job's tags (its S3 prefix and launch token included), nodes write
@@ -32,10 +34,11 @@ from dtrain.errors import DtrainError
 from dtrain.launcher import aws
 from dtrain.launcher import ec2_requests as req
 from dtrain.launcher import ec2_resources as res
-from dtrain.launcher.base import Launcher, PendingCleanup
+from dtrain.launcher.base import Launcher, PendingCleanup, process_alive, this_process
 from dtrain.store import (
     FAILED,
     FINAL_STATUSES,
+    PENDING,
     RUNNING,
     STARTING,
     STOPPED,
@@ -49,6 +52,9 @@ if TYPE_CHECKING:
 
 # How long status keeps retrying the removal of an ended job's groups; then `dtrain ec2 gc`.
 CLEANUP_RETRY_S = 3600.0
+# How long a launch whose launcher this machine cannot see (another host) may take before its
+# record, still without nodes, counts as abandoned.
+LAUNCH_TIMEOUT_S = 3600.0
 CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacityOnHost",
                   "InsufficientReservedInstanceCapacity", "SpotMaxPriceTooLow",
                   "InsufficientCapacity", "ReservationCapacityExceeded")
@@ -124,21 +130,25 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         store = store if store is not None else JobStore()
         values = {"launch_token": uuid.uuid4().hex[:16]}
         prefix = request["prefix"]
+        # "launcher": who owns the record until every node runs (status finds it if that dies)
         record = store.create(
             name=job, target=self.name, spec=plan.spec.to_dict() if plan else {},
             log_location=f"{prefix}/logs/", output_location=f"{prefix}/model/",
             target_data={"job_name": job, "region": self.region, "prefix": prefix,
-                         "launch_token": values["launch_token"], "request": request})
+                         "launch_token": values["launch_token"], "launcher": this_process(),
+                         "request": request})
         created = res.Created(job=job)
         try:
             values.update(self._lookups(request))
             self._upload_code(plan, request, created)
-            facts = self._launch(req.fill_placeholders(request, values), values, created)
+            facts = self._launch(req.fill_placeholders(request, values), values, created,
+                                 status=lambda: store.get(record.id).status)
         except BaseException as exc:  # noqa: BLE001 - Ctrl-C mid-launch must not leak nodes
             left = res.rollback(self.client("ec2"), self.client("s3"), created,
                                 sleep=self.sleep)
             error = self._launch_error(exc, request, created, left)
-            store.update(record.id, status=FAILED,
+            status = STOPPED if store.get(record.id).status == STOPPING else FAILED
+            store.update(record.id, status=status,
                          failure_reason=str(error) or f"launch interrupted ({type(exc).__name__})",
                          target_data={"cleanup": self._teardown_cleanup(created, left)})
             raise error from None
@@ -174,9 +184,20 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
                 created.uploads.append(uri)
                 packaging.upload_file(s3, path, uri, stream=self.out)
 
-    def _launch(self, request: dict[str, Any], values: dict[str, str],
-                created: res.Created) -> dict[str, Any]:
+    def _launch(self, request: dict[str, Any], values: dict[str, str], created: res.Created, *,
+                status: Callable[[], str]) -> dict[str, Any]:
+        """Groups, then one node at a time; ends early once the record is no longer Pending
+        (`dtrain stop` meanwhile, or another client gave the launch up)."""
+
+        def check_not_stopped() -> None:
+            now = status()
+            if now in (STOPPING, STOPPED):
+                raise DtrainError("stopped by `dtrain stop` while launching")
+            if now != PENDING:
+                raise DtrainError(f"launch given up: the job was recorded {now} meanwhile")
+
         ec2 = self.client("ec2")
+        check_not_stopped()
         group = request["placement_group"]
         if group["create"]:
             ec2.create_placement_group(**group["CreatePlacementGroup"])
@@ -188,11 +209,13 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         ec2.authorize_security_group_ingress(**rules["AuthorizeSecurityGroupIngress"])
         ec2.authorize_security_group_egress(**rules["AuthorizeSecurityGroupEgress"])
         for rank, node in enumerate(request["run_instances"]):
+            check_not_stopped()
             node = req.fill_placeholders(node, {"security_group_id": group_id})
             self.out.write(f"launching node {rank + 1}/{len(request['run_instances'])} "
                            f"({node['InstanceType']})\n")
             instance = ec2.run_instances(**node)["Instances"][0]
             created.instances.append(instance["InstanceId"])
+        check_not_stopped()
         return {"job_name": created.job, "target": self.name, "region": self.region,
                 "prefix": request["prefix"], "launch_token": values["launch_token"],
                 "instance_ids": list(created.instances), "subnet_id": values["subnet_id"],
@@ -267,11 +290,24 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
 
         The call that sees the job end (Completed, Failed, Stopped) also terminates whatever of
         it still runs and removes the groups dtrain created for it; while a group is still in
-        use, later calls try again.
+        use, later calls try again. A record whose launch never finished is resolved from its
+        launcher: still launching, or gone (then the job failed, and what it launched goes).
         """
         store, record = self._resolve(record, store)
         if record.is_final:
             return self._retry_cleanup(record, store)
+        status, fields, data = self._observe(record)
+        if status in FINAL_STATUSES:
+            if not launched(record):
+                self.out.write(f"{record.name}: {fields['failure_reason']}\n")
+            if cleanup_pending(record):
+                data["cleanup"] = self._clear(record)
+        return store.update(record.id, status=status, target_data=data, **fields)
+
+    def _observe(self, record: JobRecord) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+        """What ``status`` would write (status, fields, target data), read-only."""
+        if not launched(record):
+            return self._observe_launch(record)
         current = self.job_status(record)
         status = current["status"]
         if record.status == STOPPING and status not in FINAL_STATUSES:
@@ -283,11 +319,25 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
             fields["failure_reason"] = current["failure_reason"]
         if status == RUNNING and not record.started_at:
             fields["started_at"] = self.clock().timestamp()
-        data = {"secondary_status": current.get("secondary_status"),
-                "instances": current["instances"], "model_data": current["model_data"]}
-        if status in FINAL_STATUSES and cleanup_pending(record):
-            data["cleanup"] = self._clear(record)
-        return store.update(record.id, status=status, target_data=data, **fields)
+        return status, fields, {"secondary_status": current.get("secondary_status"),
+                                "instances": current["instances"],
+                                "model_data": current["model_data"]}
+
+    def _observe_launch(self, record: JobRecord) -> tuple[str | None, dict[str, Any], dict]:
+        """A job whose ``submit`` has not finished: nothing changes while its launcher runs;
+        once that process is gone the job has ended (Failed, or Stopped if `dtrain stop` asked)."""
+        owner = (record.target_data or {}).get("launcher")
+        alive = process_alive(owner)
+        if alive is None:  # launched from another host (or by an older dtrain): give it time
+            alive = self.clock().timestamp() - record.created_at < LAUNCH_TIMEOUT_S
+        if alive:
+            return None, {}, {}
+        if record.status == STOPPING:
+            return STOPPED, {"failure_reason": record.failure_reason or "stopped by user"}, {}
+        who = f"pid {owner['pid']} on {owner['host']}" if owner else "its launcher"
+        return FAILED, {"failure_reason": f"launch interrupted: the process that launched it "
+                                          f"({who}) exited before every node was launched; "
+                                          "nothing of it is left running"}, {}
 
     def logs(self, record: JobRecord | str, *, follow: bool = False, host: str | None = None,
              rank: int | None = None, poll_s: float = 10.0) -> Iterator[str]:
@@ -325,8 +375,12 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         cleanup = {"cleanup": self._teardown_cleanup(created, left)}
         if record.is_final:
             return store.update_target_data(record.id, cleanup)
-        return store.update(record.id, status=STOPPING,
-                            failure_reason="stopped by user (dtrain stop)", target_data=cleanup)
+        # a launch still under way finishes the stop itself (it checks before each node)
+        under_way = (not launched(record)
+                     and process_alive(record.target_data.get("launcher")) is not False)
+        return store.update(record.id, status=STOPPING if launched(record) or under_way
+                            else STOPPED, failure_reason="stopped by user (dtrain stop)",
+                            target_data=cleanup)
 
     # ---------------------------------------------------------------- groups of ended jobs
 
@@ -412,6 +466,11 @@ def cleanup_pending(record: JobRecord) -> bool:
     """
     cleanup = (record.target_data or {}).get("cleanup")
     return cleanup is None or cleanup.get("state") == "pending"
+
+
+def launched(record: JobRecord) -> bool:
+    """True once ``submit`` launched every node (it records their ids last)."""
+    return bool((record.target_data or {}).get("instance_ids"))
 
 
 def retry_hint(record: JobRecord) -> str:

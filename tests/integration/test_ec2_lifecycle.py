@@ -1,5 +1,6 @@
-"""How an EC2 job ends against moto: an interruption, a failed node whose peers still run, and
-`dtrain stop`, also of a job that has already ended.
+"""How an EC2 job ends against moto: an interruption, a failed node whose peers still run, `dtrain
+stop` of a job that has already ended, a launcher that died before its nodes were launched, and
+`dtrain stop` while the launch is under way.
 
 The moto account, the placement-group double and the helpers come from ``test_ec2_launch`` (see
 its docstring for what each test double stands in for). Nodes are played by the test: it writes
@@ -12,6 +13,7 @@ from __future__ import annotations
 import boto3
 import pytest
 import test_ec2_launch as ec2_test
+from dtrain.errors import DtrainError
 from dtrain.launcher import ec2_bootstrap as boot
 from dtrain.store import JobStore
 from test_ec2_launch import (
@@ -117,3 +119,122 @@ def test_stop_of_a_job_that_already_failed_terminates_what_still_runs_and_keeps_
     assert "(it had ended: Failed): terminated 1 node(s)" in launcher.out.getvalue()
     calls = ec2_test.count_ec2_calls(aws["ec2"])
     assert launcher.stop(stopped) == stopped and "TerminateInstances" not in calls
+
+
+# ---------------------------------------------------------------- stop while launching
+
+def test_stop_while_the_launch_is_under_way_ends_it_stopped_with_nothing_left(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    request = p4d_request(launcher, aws)
+    other = launcher_for(aws)  # `dtrain stop` from another shell, same job store
+    stopped = []
+
+    def stop_before_node_two(**_):
+        if len(live_instances(aws["ec2"])) == 1 and not stopped:
+            stopped.append(other.stop(JobStore().find(request["job"])))
+    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
+    with pytest.raises(DtrainError) as caught:
+        launcher.submit(request)
+    assert str(caught.value).startswith("stopped by `dtrain stop` while launching (launched 2 "
+                                        "of 2 nodes, all terminated)")
+    assert stopped[0].status == "Stopping"  # the launch was still under way: it finishes it
+    record = JobStore().find(request["job"])
+    assert record.status == "Stopped"
+    assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
+    assert aws["pg"].groups == {}
+
+
+# ---------------------------------------------------------------- a launcher that died
+
+KILLED_LAUNCHER = """
+import pathlib, sys, time
+from dtrain.launcher.ec2 import Ec2Launcher
+from dtrain.planner import plan
+from dtrain.spec import JobSpec
+
+example, marker, job, *overrides = sys.argv[1:]
+launcher = Ec2Launcher(region="us-east-1", assume_yes=True)
+calls = []
+
+def slow_second_node(**_):  # EC2 is slow to answer for node 2; the launcher is killed meanwhile
+    calls.append(1)
+    if len(calls) == 2:
+        pathlib.Path(marker).write_text("node 1 launched")
+        time.sleep(600)
+
+launcher.client("ec2").meta.events.register("before-call.ec2.RunInstances", slow_second_node)
+spec = JobSpec.from_file(example, overrides=overrides)
+launcher.submit(launcher.build_request(plan(spec), job_name=job))
+"""
+
+
+@pytest.fixture
+def moto_server(monkeypatch):
+    """A moto server the launcher's process and the test share (two processes, one account)."""
+    import urllib.request
+
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    urllib.request.urlopen(urllib.request.Request(f"{url}/moto-api/reset", method="POST"))
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(key, "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+    yield url
+    server.stop()
+
+
+@pytest.mark.parametrize("then", ["status", "stop"])
+def test_a_launcher_killed_before_its_nodes_were_launched_leaves_a_record_that_ends(
+        moto_server, tmp_path, then):
+    import io
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dtrain.launcher.ec2 import Ec2Launcher
+
+    ec2 = boto3.client("ec2", region_name=REGION)
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket=ec2_test.BUCKET)
+    boto3.client("iam", region_name=REGION).create_instance_profile(
+        InstanceProfileName="dtrain-node")
+    subnet = ec2.describe_subnets(Filters=[{"Name": "default-for-az", "Values": ["true"]}])
+    ami = ec2.describe_images()["Images"][0]["ImageId"]
+    marker = tmp_path / "marker"
+    # the user's own placement group: the moto server has no CreatePlacementGroup
+    launch = subprocess.Popen([
+        sys.executable, "-c", KILLED_LAUNCHER, str(ec2_test.EXAMPLE), str(marker), ec2_test.JOB,
+        f"ec2.subnet_id={subnet['Subnets'][0]['SubnetId']}", f"ec2.ami={ami}",
+        "ec2.placement_group=my-cluster-pg"], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert launch.poll() is None, launch.stderr.read().decode()
+        assert time.monotonic() < deadline, "the launcher never got to node 2"
+        time.sleep(0.2)
+    os.kill(launch.pid, signal.SIGKILL)  # no except clause runs: nothing is rolled back
+    launch.wait()
+    record = JobStore().find(ec2_test.JOB)
+    assert record.status == "Pending" and len(live_instances(ec2)) == 1
+    ec2_test.PlacementGroups(ec2.meta.events)  # answers DescribePlacementGroups (none tagged)
+    launcher = Ec2Launcher(ec2_client=ec2, s3_client=s3, region=REGION, stream=io.StringIO(),
+                           sleep=lambda s: None)
+    if then == "status":
+        record = launcher.status(record)
+        assert record.status == "Failed"
+        assert record.failure_reason.startswith(
+            f"launch interrupted: the process that launched it (pid {launch.pid} on ")
+        assert live_instances(ec2) == []
+        record = launcher.status(record)  # the node has terminated: now the group goes
+    else:
+        record = launcher.stop(record)
+        assert record.status == "Stopped" and record.failure_reason.startswith("stopped by user")
+    assert live_instances(ec2) == [] and dtrain_groups(ec2) == []
+    assert record.target_data["cleanup"]["state"] == "done"
+    assert launcher.status(record) == record  # it stays ended
