@@ -10,7 +10,7 @@ record names the launching process until every node is launched, so a launcher k
 leaves a record ``status`` can end (and ``stop`` meanwhile makes the launch roll back).
 
 ``submit`` returns the job's store record; ``status``/``logs``/``stop`` take it. Instances carry
-the job's tags (its S3 prefix and launch token included), nodes write
+the job's tags (its S3 prefix, launch token and launch time included), nodes write
 ``{prefix}/status/<host>.json`` and their logs under ``{prefix}/logs/<host>/``. ``stop``
 terminates every node and deletes the groups dtrain created, also for a job that already ended.
 A job that ends on its own leaves nothing behind either: the ``status`` call that sees it end
@@ -18,6 +18,7 @@ terminates what of it still runs (a failed node's peers) and deletes the groups 
 for it, one try per call (a security group stays in use while the nodes' network interfaces
 detach), and keeps what happened in the record's ``cleanup`` so later calls know whether to try
 again; ``pending_cleanup`` tells a caller waiting for the job what is still to go.
+``leftovers`` is what `dtrain ec2 gc` removes.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ CLEANUP_RETRY_S = 3600.0
 # How long a launch whose launcher this machine cannot see (another host) may take before its
 # record, still without nodes, counts as abandoned.
 LAUNCH_TIMEOUT_S = 3600.0
+# `dtrain ec2 gc` leaves a launch it knows no record of alone this long: it may still be launching.
+GC_MIN_AGE_S = 1800.0
 CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacityOnHost",
                   "InsufficientReservedInstanceCapacity", "SpotMaxPriceTooLow",
                   "InsufficientCapacity", "ReservationCapacityExceeded")
@@ -128,7 +131,8 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         plan = plan or self._plans.get(job)
         self.check_cost(request)
         store = store if store is not None else JobStore()
-        values = {"launch_token": uuid.uuid4().hex[:16]}
+        values = {"launch_token": uuid.uuid4().hex[:16],
+                  "launched_at": self.clock().strftime(req.LAUNCHED_AT_FORMAT)}
         prefix = request["prefix"]
         # "launcher": who owns the record until every node runs (status finds it if that dies)
         record = store.create(
@@ -381,6 +385,35 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         return store.update(record.id, status=STOPPING if launched(record) or under_way
                             else STOPPED, failure_reason="stopped by user (dtrain stop)",
                             target_data=cleanup)
+
+    def leftovers(self, *, store: JobStore | None = None, include_running: bool = False,
+                  min_age_s: float = GC_MIN_AGE_S, dry_run: bool = False) -> res.Leftovers:
+        """What `dtrain ec2 gc` removes: ``res.find_leftovers``, told by this machine's job
+        store which launches ended. A record that has not ended is refreshed first, as `dtrain
+        status` does (the job may have ended since, or its launcher died); ``dry_run`` only
+        looks and writes nothing. A job that still runs is kept."""
+        store = store if store is not None else JobStore()
+        ec2 = self.client("ec2")
+        launches = res.find_launches(ec2)
+        records = {r.target_data.get("launch_token"): r for r in store.list(target=self.name)
+                   if r.target_data.get("launch_token") in launches}
+        ended = {t for t, r in records.items() if r.is_final}
+        for token in set(records) - ended:
+            try:
+                if dry_run:
+                    now_ended = self._observe(records[token])[0] in FINAL_STATUSES
+                else:
+                    now_ended = self.status(records[token], store=store).is_final
+            except Exception as exc:  # noqa: BLE001 - not known to have ended: kept
+                self.out.write(f"keeping {records[token].name}: its status is unknown ({exc})\n")
+                now_ended = False
+            if now_ended:
+                ended.add(token)
+        if not dry_run and ended - {t for t, r in records.items() if r.is_final}:
+            launches = res.find_launches(ec2)  # those status calls removed what they could
+        return res.find_leftovers(launches, now=self.clock(), s3=self.client("s3"), ended=ended,
+                                  running=set(records) - ended, min_age_s=min_age_s,
+                                  include_running=include_running)
 
     # ---------------------------------------------------------------- groups of ended jobs
 

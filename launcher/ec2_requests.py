@@ -6,8 +6,8 @@
 from itself (EFA's requirement) plus SSH from ``ec2.ssh_cidr`` when given, and one
 ``RunInstances`` per node. Values only known after an I/O step appear as ``{{name}}``
 placeholders (``ami_id`` from the Deep Learning AMI SSM parameter, ``vpc_id`` and ``subnet_id``
-when no subnet is given, ``security_group_id`` once the group exists); ``fill_placeholders``
-substitutes them.
+when no subnet is given, ``security_group_id`` once the group exists, ``launch_token`` and
+``launched_at`` drawn at submit); ``fill_placeholders`` substitutes them.
 
 One ``RunInstances`` per node (``MinCount=MaxCount=1``) rather than one for all: each node's
 user data carries its own rank, so the cluster order is the launch order without relying on
@@ -40,6 +40,10 @@ TAG_NODE_RANK = "dtrain:node-rank"
 TAG_LAUNCH = "dtrain:launch"  # one submission's token: a job name may be used again later
 TAG_NUM_NODES = "dtrain:num-nodes"  # lets gc see a cluster that never came up whole
 TAG_PREFIX = "dtrain:prefix"  # where status and logs are, so a job name alone is enough
+# When the launch began (UTC, LAUNCHED_AT_FORMAT): `dtrain ec2 gc` leaves young launches alone,
+# and EC2 tells no creation time of a security or placement group.
+TAG_LAUNCHED_AT = "dtrain:launched-at"
+LAUNCHED_AT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
 CREATED_BY = "dtrain"
 # The documented public SSM parameter of the AWS Deep Learning OSS Nvidia Driver AMI (PyTorch,
 # Ubuntu 22.04); see the DLAMI developer guide, "Finding the AMI ID with SSM".
@@ -150,7 +154,8 @@ def _lookups(spec) -> dict[str, Any]:
 
 def _tags(job: str, user_tags: dict[str, str], *, name: str, **extra: str) -> list[dict]:
     tags = {**user_tags, "Name": name, TAG_JOB: job, TAG_CREATED_BY: CREATED_BY,
-            TAG_LAUNCH: placeholder("launch_token"), **extra}
+            TAG_LAUNCH: placeholder("launch_token"), TAG_LAUNCHED_AT: placeholder("launched_at"),
+            **extra}
     return [{"Key": k, "Value": v} for k, v in tags.items()]
 
 

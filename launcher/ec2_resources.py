@@ -10,14 +10,23 @@ and whatever is still in use is reported for the next call instead of waited for
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from dtrain.errors import DtrainError
 from dtrain.launcher import aws
 from dtrain.launcher import ec2_requests as req
-from dtrain.store import COMPLETED, FAILED, RUNNING, STARTING, STOPPED, STOPPING
+from dtrain.store import (
+    COMPLETED,
+    FAILED,
+    FINAL_STATUSES,
+    RUNNING,
+    STARTING,
+    STOPPED,
+    STOPPING,
+)
 
 LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
 RUNNING_STATES = ("pending", "running")  # a node in these can still do work and report it
@@ -326,32 +335,107 @@ def new_log_lines(s3: Any, prefix: str, seen: dict[str, int], *, host: str | Non
 
 # ---------------------------------------------------------------- leftovers (`dtrain ec2 gc`)
 
-def find_leftovers(ec2: Any, *, include_running: bool = False) -> Created:
-    """dtrain-tagged resources no running cluster uses; nothing untagged is ever listed.
+@dataclass
+class Launch:
+    """One submission's dtrain-tagged resources, grouped by their ``dtrain:launch`` tag."""
 
-    Groups are leftovers once no live node of their launch remains: a job that ended on its own,
-    failed or was stopped, whose groups ``status`` could not remove yet. Nodes are leftovers when
-    their launch never came up whole: fewer nodes than its ``dtrain:num-nodes`` were ever
-    launched (the launcher died mid-way). Nodes that already finished count as launched (EC2
-    lists terminated instances for about an hour), so the last node of a finishing job still
-    uploading its results is not mistaken for one. ``include_running`` lists every live node.
-    """
-    launches: dict[str, list[dict]] = {}
+    token: str
+    instances: list[dict[str, Any]] = field(default_factory=list)
+    security_groups: list[dict[str, Any]] = field(default_factory=list)
+    placement_groups: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def live(self) -> list[dict[str, Any]]:
+        return [i for i in self.instances if i["State"]["Name"] in LIVE_STATES]
+
+    @property
+    def num_nodes(self) -> int:
+        tags = tag_map(self.instances[0]) if self.instances else {}
+        return int(tags.get(req.TAG_NUM_NODES, len(self.instances)))
+
+    def started(self) -> datetime | None:
+        """Its ``dtrain:launched-at`` tag, else its first node's launch time (older dtrain)."""
+        for resource in (*self.instances, *self.security_groups, *self.placement_groups):
+            value = tag_map(resource).get(req.TAG_LAUNCHED_AT)
+            if value:
+                return datetime.strptime(value, req.LAUNCHED_AT_FORMAT).replace(
+                    tzinfo=timezone.utc)
+        times = [i["LaunchTime"] for i in self.instances if i.get("LaunchTime")]
+        return min(times) if times else None
+
+    def everything(self) -> Created:
+        return Created(job=self.token, instances=[i["InstanceId"] for i in self.live],
+                       security_groups=[g["GroupId"] for g in self.security_groups],
+                       placement_groups=[g["GroupName"] for g in self.placement_groups])
+
+
+def find_launches(ec2: Any) -> dict[str, Launch]:
+    """Every launch that has a dtrain-tagged instance (EC2 lists terminated ones for about an
+    hour), security group or placement group; nothing untagged is ever listed."""
+    launches: dict[str, Launch] = {}
+
+    def launch(resource: dict[str, Any]) -> Launch:
+        token = tag_map(resource).get(req.TAG_LAUNCH, "")
+        return launches.setdefault(token, Launch(token=token))
+
     for instance in job_instances(ec2, None):
-        launches.setdefault(tag_map(instance).get(req.TAG_LAUNCH, ""), []).append(instance)
-    found = Created(job="*")
-    kept: set[str] = set()
-    for launch, nodes in launches.items():
-        live = [i for i in nodes if i["State"]["Name"] in LIVE_STATES]
-        if not live:
+        launch(instance).instances.append(instance)
+    for group in job_security_groups(ec2, None):
+        launch(group).security_groups.append(group)
+    for group in job_placement_groups(ec2, None):
+        launch(group).placement_groups.append(group)
+    return launches
+
+
+@dataclass
+class Leftovers:
+    """What `dtrain ec2 gc` removes, and what it keeps only because it is too recent."""
+
+    remove: Created = field(default_factory=lambda: Created(job="*"))
+    too_recent: list[str] = field(default_factory=list)
+
+    def add(self, found: Created) -> None:
+        self.remove.instances += found.instances
+        self.remove.security_groups += found.security_groups
+        self.remove.placement_groups += found.placement_groups
+
+
+def find_leftovers(launches: dict[str, Launch], *, now: datetime, s3: Any = None,
+                   ended: Collection[str] = (), running: Collection[str] = (),
+                   min_age_s: float = 0.0, include_running: bool = False) -> Leftovers:
+    """The launches' resources that no running job uses, launch by launch.
+
+    ``ended``/``running``: launch tokens whose job record says the job ended / still runs. An
+    ended job's live nodes and groups all go; a running job's stay. A launch without a record
+    is left alone while younger than ``min_age_s`` (it may still be launching: its groups exist
+    before its nodes); after that its groups go once no node of it is live, and its nodes too
+    when fewer than its ``dtrain:num-nodes`` were ever launched (a launcher killed mid-way) or
+    its nodes' status objects (read with ``s3``) say the job ended. ``include_running``: all.
+    """
+    found = Leftovers()
+    for token, launch in launches.items():
+        started = launch.started()
+        everything = launch.everything()
+        if include_running or token in ended:
+            found.add(everything)
+        elif token in running:
             continue
-        want = int(tag_map(nodes[0]).get(req.TAG_NUM_NODES, len(nodes)))
-        if include_running or len(nodes) < want:
-            found.instances += [i["InstanceId"] for i in live]
-        else:
-            kept.add(launch)
-    found.security_groups = [g["GroupId"] for g in job_security_groups(ec2, None)
-                             if tag_map(g).get(req.TAG_LAUNCH) not in kept]
-    found.placement_groups = [g["GroupName"] for g in job_placement_groups(ec2, None)
-                              if tag_map(g).get(req.TAG_LAUNCH) not in kept]
+        elif started is not None and (now - started).total_seconds() < min_age_s:
+            found.too_recent += [*everything.instances, *everything.security_groups,
+                                 *everything.placement_groups]
+        elif not launch.live or len(launch.instances) < launch.num_nodes or (
+                s3 is not None and _reported_ended(s3, launch)):
+            found.add(everything)
     return found
+
+
+def _reported_ended(s3: Any, launch: Launch) -> bool:
+    """True when the launch's nodes' own reports and EC2's states say its job ended."""
+    ids = {i["InstanceId"] for i in launch.instances}
+    prefix = tag_map(launch.instances[0]).get(req.TAG_PREFIX)
+    try:
+        nodes = [n for n in read_status_objects(s3, prefix) if n.get("instance_id") in ids]
+    except Exception:  # noqa: BLE001 - unreadable reports: judge by the instance states alone
+        nodes = []
+    states = {i["InstanceId"]: i["State"]["Name"] for i in launch.instances}
+    return job_state(states, nodes, launch.num_nodes)["status"] in FINAL_STATUSES

@@ -17,26 +17,42 @@ def ec2() -> None:
 @ec2.command("gc")
 @click.option("--dry-run", is_flag=True, help="List what would be removed; remove nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask before removing.")
+@click.option("--min-age", "min_age_min", type=click.FloatRange(min=0), default=30,
+              show_default=True, metavar="MINUTES",
+              help="Leave launches younger than this alone when no job record says they "
+                   "ended (they may still be launching); 0 includes them.")
 @click.option("--all", "include_running", is_flag=True,
-              help="Also terminate the nodes of running dtrain jobs (and then their groups).")
+              help="Also terminate the nodes of running dtrain jobs (and then their groups), "
+                   "whatever their age.")
 @click.option("--region", default=None, help="AWS region (default: the boto3 default).")
-def gc(dry_run: bool, yes: bool, include_running: bool, region: str | None) -> None:
+def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
+       region: str | None) -> None:
     """Remove what dtrain created for EC2 jobs and no running job uses.
 
-    Only resources tagged `dtrain:created-by=dtrain` are considered: the security and placement
-    groups of jobs that completed, failed or were stopped (`dtrain status` removes them when it
-    sees a job end, unless they were still in use then), and the nodes of launches that never
-    came up whole (a launcher killed mid-launch). Running jobs are left alone unless --all.
-    Untagged resources, such as a placement group named in `ec2.placement_group`, are never
-    touched.
+    Only resources tagged `dtrain:created-by=dtrain` are considered, launch by launch (the
+    `dtrain:launch` tag). A launch whose job record (in this machine's job store, refreshed
+    first) says the job ended loses its live nodes and its security and placement groups: for
+    example the peers of a failed node still running. A launch whose record says the job still
+    runs is kept. A launch without a record is kept while younger than --min-age; after that
+    its groups go once none of its nodes is live, and its nodes too when fewer than the job's
+    node count were ever launched (a launcher killed mid-launch) or the nodes' own status
+    objects say the job ended. --all removes every tagged resource. Untagged resources, such as
+    a placement group named in `ec2.placement_group`, are never touched.
     """
-    from dtrain.launcher import aws, ec2_resources
+    from dtrain.launcher import ec2_resources
+    from dtrain.launcher.ec2 import Ec2Launcher
 
-    client = aws.make_client("ec2", region=region)
-    found = ec2_resources.find_leftovers(client, include_running=include_running)
+    launcher = Ec2Launcher(region=region)
+    leftovers = launcher.leftovers(include_running=include_running,
+                                   min_age_s=min_age_min * 60, dry_run=dry_run)
+    found = leftovers.remove
     items = ([("instance", i) for i in found.instances]
              + [("security group", g) for g in found.security_groups]
              + [("placement group", g) for g in found.placement_groups])
+    if leftovers.too_recent:
+        click.echo(f"keeping {len(leftovers.too_recent)} resource(s) of launches younger than "
+                   f"{min_age_min:g} min ({', '.join(leftovers.too_recent)}); --min-age 0 "
+                   "includes them")
     if not items:
         click.echo("no dtrain leftovers found")
         return
@@ -46,7 +62,8 @@ def gc(dry_run: bool, yes: bool, include_running: bool, region: str | None) -> N
         return
     if not yes and not click.confirm(f"remove these {len(items)} resources?", default=False):
         raise click.exceptions.Abort()
-    left = ec2_resources.rollback(client, None, found, sleep=_sleep, keep_uploads=True)
+    left = ec2_resources.rollback(launcher.client("ec2"), None, found, sleep=_sleep,
+                                  keep_uploads=True)
     if left:
         from dtrain.errors import DtrainError
 

@@ -258,12 +258,14 @@ def test_capacity_reservation_is_sent_as_given(aws):
         assert sent["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
 
 
-def plant_leftovers(aws):
-    """A half-launched dtrain job, a dtrain security group, and look-alikes without tags."""
+def plant_leftovers(aws, *, launched_at: str = "2020-01-01T00:00:00Z"):
+    """A half-launched dtrain job (launched at ``launched_at``, with no record in this machine's
+    job store), a dtrain security group, and look-alikes without tags."""
     ec2 = aws["ec2"]
     ami = ec2.describe_images()["Images"][0]["ImageId"]
     tags = [{"Key": req.TAG_CREATED_BY, "Value": "dtrain"}, {"Key": req.TAG_JOB, "Value": "old"},
-            {"Key": req.TAG_LAUNCH, "Value": "t1"}, {"Key": req.TAG_NUM_NODES, "Value": "2"}]
+            {"Key": req.TAG_LAUNCH, "Value": "t1"}, {"Key": req.TAG_NUM_NODES, "Value": "2"},
+            {"Key": req.TAG_LAUNCHED_AT, "Value": launched_at}]
     orphan = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1, TagSpecifications=[
         {"ResourceType": "instance", "Tags": tags}])["Instances"][0]["InstanceId"]
     vpc = aws["subnet"]["VpcId"]

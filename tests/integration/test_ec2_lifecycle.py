@@ -15,6 +15,8 @@ import pytest
 import test_ec2_launch as ec2_test
 from dtrain.errors import DtrainError
 from dtrain.launcher import ec2_bootstrap as boot
+from dtrain.launcher import ec2_requests as req
+from dtrain.launcher import ec2_resources as res
 from dtrain.store import JobStore
 from test_ec2_launch import (
     REGION,
@@ -121,6 +123,66 @@ def test_stop_of_a_job_that_already_failed_terminates_what_still_runs_and_keeps_
     assert launcher.stop(stopped) == stopped and "TerminateInstances" not in calls
 
 
+def test_gc_removes_the_live_peer_and_groups_of_a_job_its_record_says_failed(aws):
+    from click.testing import CliRunner
+    from dtrain.cli_ec2 import ec2 as ec2_group
+
+    launcher = launcher_for(aws, assume_yes=True)
+    record = ended_with_a_live_peer(aws, launcher)
+    peer = live_instances(aws["ec2"])[0]["InstanceId"]
+    done = CliRunner().invoke(ec2_group, ["gc", "--yes"])  # however young the launch
+    assert done.exit_code == 0, done.output
+    assert f"remove instance {peer}" in done.output
+    assert f"remove security group {record.target_data['security_group_id']}" in done.output
+    assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
+    assert aws["pg"].groups == {}
+
+
+def test_gc_without_a_record_removes_a_cluster_whose_nodes_reported_a_failure(aws, monkeypatch,
+                                                                            tmp_path):
+    from click.testing import CliRunner
+    from dtrain.cli_ec2 import ec2 as ec2_group
+
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1"))
+    peer = report(aws, record, 1, "running")
+    monkeypatch.setenv("DTRAIN_HOME", str(tmp_path / "another-machine"))  # no record there
+    runner = CliRunner()
+    young = runner.invoke(ec2_group, ["gc", "--dry-run"])
+    assert young.exit_code == 0, young.output
+    assert "no dtrain leftovers found" in young.output and "--min-age 0" in young.output
+    done = runner.invoke(ec2_group, ["gc", "--yes", "--min-age", "0"])
+    assert done.exit_code == 0, done.output
+    assert f"remove instance {peer}" in done.output
+    assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
+
+
+@pytest.mark.parametrize("home", ["this machine", "another machine"])
+def test_gc_during_a_launch_leaves_its_groups_and_first_node_alone(aws, tmp_path, home):
+    from click.testing import CliRunner
+    from dtrain.cli_ec2 import ec2 as ec2_group
+
+    launcher = launcher_for(aws, assume_yes=True)
+    request = p4d_request(launcher, aws)
+    ran = []
+
+    def gc_before_node_two(**_):  # its groups and node 1 exist, its record lists no node yet
+        if len(live_instances(aws["ec2"])) == 1 and not ran:
+            # this machine: the record says it is launching; another: no record, a young launch
+            env = {} if home == "this machine" else {"DTRAIN_HOME": str(tmp_path / "other")}
+            ran.append(CliRunner().invoke(ec2_group, ["gc", "--yes"], env=env))
+    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", gc_before_node_two)
+    record = launcher.submit(request)
+    assert ran[0].exit_code == 0, ran[0].output
+    assert ran[0].output.endswith("no dtrain leftovers found\n")
+    assert ("younger than 30 min" in ran[0].output) == (home == "another machine")
+    assert record.status == "Starting" and len(live_instances(aws["ec2"])) == 2
+    assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [
+        record.target_data["security_group_id"]]
+    assert list(aws["pg"].groups) == [record.target_data["placement_group"]]
+
+
 # ---------------------------------------------------------------- stop while launching
 
 def test_stop_while_the_launch_is_under_way_ends_it_stopped_with_nothing_left(aws):
@@ -142,6 +204,20 @@ def test_stop_while_the_launch_is_under_way_ends_it_stopped_with_nothing_left(aw
     assert record.status == "Stopped"
     assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {}
+
+
+def test_each_resource_of_a_launch_carries_its_launch_time(aws):
+    from datetime import datetime, timezone
+
+    at = datetime(2025, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
+    launcher = launcher_for(aws, assume_yes=True, clock=lambda: at)
+    record = launcher.submit(p4d_request(launcher, aws))
+    launches = res.find_launches(aws["ec2"])
+    launch = launches[record.target_data["launch_token"]]
+    assert launch.started() == at
+    tagged = [*launch.instances, *launch.security_groups, *launch.placement_groups]
+    assert len(tagged) == 4
+    assert {res.tag_map(r)[req.TAG_LAUNCHED_AT] for r in tagged} == {"2025-03-04T05:06:07Z"}
 
 
 # ---------------------------------------------------------------- a launcher that died
