@@ -337,7 +337,8 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         if alive:
             return None, {}, {}
         if record.status == STOPPING:
-            return STOPPED, {"failure_reason": record.failure_reason or "stopped by user"}, {}
+            return STOPPED, {"failure_reason": record.failure_reason
+                             or "stopped by user (dtrain stop)"}, {}
         who = f"pid {owner['pid']} on {owner['host']}" if owner else "its launcher"
         return FAILED, {"failure_reason": f"launch interrupted: the process that launched it "
                                           f"({who}) exited before every node was launched; "
