@@ -249,8 +249,10 @@ def run_node(s3, config: dict, node: Node, *, command: list[str] | None = None,
         print(f"dtrain: {reason}", file=sys.stderr)
     _quietly(upload_results, s3, config, node, paths)
     # 143: this node was SIGTERMed, or its workers stopped after a checkpoint because another
-    # node was; the job is stopped (resubmit to resume), not failed.
-    state = {0: "completed", contract.PREEMPTED_EXIT_CODE: "stopped"}.get(code, "failed")
+    # node was; 124: max_run was reached. Either way the job is stopped (resubmit to resume), not
+    # failed, as on SageMaker and the local target (docs/concepts/container-contract.md).
+    state = {0: "completed", contract.PREEMPTED_EXIT_CODE: "stopped",
+             contract.MAX_RUN_EXIT_CODE: "stopped"}.get(code, "failed")
     write_status(s3, config, node, state, exit_code=code, reason=reason)
     return code
 

@@ -174,6 +174,22 @@ def test_an_interrupted_agent_stops_the_job_with_its_line_instead_of_failing_it(
         f"SIGTERM; resubmit to resume from s3://{BUCKET}/dtrain/{JOB}/checkpoints")
 
 
+def test_max_run_stops_the_job_with_the_agents_line_as_on_the_other_targets(
+        s3, tmp_path, monkeypatch):
+    config = job_config("tok6")
+    upload_artifacts(s3, config)
+    monkeypatch.setenv("STUB_FAILURE", "max_run of 60 s reached on 10.0.0.12; workers were stopped")
+    assert run_two_nodes(s3, tmp_path, config, monkeypatch,
+                         exit_code=contract.MAX_RUN_EXIT_CODE) == [124, 124]
+    from dtrain.launcher.ec2_resources import job_state, read_status_objects
+
+    nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
+    assert [n["state"] for n in nodes] == ["stopped", "stopped"]
+    state = job_state({"i-0": "terminated", "i-1": "terminated"}, nodes, 2)
+    assert state["status"] == "Stopped"
+    assert state["failure_reason"] == "max_run of 60 s reached on 10.0.0.12; workers were stopped"
+
+
 def test_checkpoints_go_where_the_interruption_line_says_even_without_a_checkpoint_uri(
         s3, tmp_path, monkeypatch):
     config = job_config("tok5")
