@@ -237,6 +237,8 @@ def _show_runtime_logs(rank: int) -> None:
         return
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s dtrain rank {rank} %(message)s"))
+    # Stand down once the script configures logging after init(): its handlers get the records.
+    handler.addFilter(lambda _record: not logging.getLogger().handlers)
     runtime_logger.addHandler(handler)
     if runtime_logger.level == logging.NOTSET:
         runtime_logger.setLevel(logging.INFO)
