@@ -213,17 +213,35 @@ def hf_staging_dir(folder: str | Path) -> Path:
 
 
 def remove_partial_model_files(folder: str | Path) -> None:
-    """Delete what a model save that was killed left behind (staging folder, half-copied files)."""
+    """Delete what a model save that was killed left behind (staging folders, half-copied files)."""
     folder = Path(folder)
     shutil.rmtree(hf_staging_dir(folder), ignore_errors=True)
     for partial in folder.glob(f".*{PARTIAL_SUFFIX}"):
-        partial.unlink(missing_ok=True)
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
+            partial.unlink(missing_ok=True)
+
+
+def make_staging_dir(folder: str | Path) -> Path:
+    """A fresh, empty :func:`hf_staging_dir`; inside ``folder`` (hidden) only where the parent
+    cannot take it, e.g. a model folder mounted under a read-only path. That fallback is removed
+    by the next save and by the node agent before anything is uploaded."""
+    folder = Path(folder)
+    try:
+        staging = hf_staging_dir(folder)
+        staging.mkdir()
+    except OSError:
+        staging = folder / f".staging{PARTIAL_SUFFIX}"
+        folder.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    return staging
 
 
 def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
     """Gather the full weights and write a Hugging Face folder from rank 0 (collective).
 
-    The files are written to :func:`hf_staging_dir` and then moved in one by one, ``config.json``
+    The files are written to :func:`make_staging_dir` and then moved in one by one, ``config.json``
     last, so a save cut off half-way leaves the previous model (or none) and no partial files.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -240,7 +258,7 @@ def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
         tied = set(getattr(plain, "_tied_weights_keys", {}))
         assert not unexpected and set(missing) <= tied, (missing, unexpected)
         remove_partial_model_files(folder)  # left by a save that was killed
-        staging = save_pretrained(plain, hf_staging_dir(folder))
+        staging = save_pretrained(plain, make_staging_dir(folder))
         folder.mkdir(parents=True, exist_ok=True)
         _publish(staging, folder)
     dist.barrier()

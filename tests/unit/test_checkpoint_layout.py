@@ -56,6 +56,32 @@ def test_leftovers_of_a_killed_model_save_are_removed_and_the_model_is_kept(tmp_
     assert [p.name for p in model.iterdir()] == ["config.json"]
 
 
+def test_where_the_parent_cannot_take_the_staging_folder_it_goes_inside_and_is_cleaned(tmp_path):
+    from dtrain.runtime.checkpoint import (
+        _publish,
+        hf_staging_dir,
+        make_staging_dir,
+        remove_partial_model_files,
+    )
+
+    model = tmp_path / "model"
+    assert make_staging_dir(model) == hf_staging_dir(model)  # the usual case: a sibling
+    hf_staging_dir(model).rmdir()
+    # The sibling cannot be made (root ignores permission bits, so a file stands in its way,
+    # as a read-only parent would).
+    hf_staging_dir(model).write_text("not a folder")
+    staging = make_staging_dir(model)
+    assert staging.parent == model and staging.name.startswith(".")
+    (staging / "model.safetensors").write_bytes(b"weights")
+    remove_partial_model_files(model)  # a save killed here: the agent cleans before upload
+    assert list(model.iterdir()) == []
+    staging = make_staging_dir(model)
+    (staging / "model.safetensors").write_bytes(b"weights")
+    (staging / "config.json").write_text("{}")
+    _publish(staging, model)
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_a_model_dir_on_another_mount_gets_each_file_copied_then_renamed(tmp_path, monkeypatch):
     import errno
     import os
