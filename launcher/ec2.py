@@ -58,6 +58,7 @@ CLEANUP_RETRY_S = 3600.0
 LAUNCH_TIMEOUT_S = 3600.0
 # `dtrain ec2 gc` leaves a launch it knows no record of alone this long: it may still be launching.
 GC_MIN_AGE_S = 1800.0
+STOP_REASON = "stopped by user (dtrain stop)"
 CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacityOnHost",
                   "InsufficientReservedInstanceCapacity", "SpotMaxPriceTooLow",
                   "InsufficientCapacity", "ReservationCapacityExceeded")
@@ -304,9 +305,26 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         if status in FINAL_STATUSES:
             if not launched(record):
                 self.out.write(f"{record.name}: {fields['failure_reason']}\n")
-            if cleanup_pending(record):
-                data["cleanup"] = self._clear(record)
+            # also after a `dtrain stop` that said it was done: a racing launch may have added
+            data["cleanup"] = self._clear(record)
+        elif stop_requested(record):
+            self._finish_stop(record, data.get("instances") or {})
         return store.update(record.id, status=status, target_data=data, **fields)
+
+    def _finish_stop(self, record: JobRecord, instances: dict[str, str]) -> None:
+        """`dtrain stop` was asked but nodes still run (it was cut short, or a launch raced it):
+        terminate them; the job ends Stopped once they are gone."""
+        running = [i for i, state in instances.items() if state in res.RUNNING_STATES]
+        if not running:
+            return
+        try:
+            self.client("ec2").terminate_instances(InstanceIds=running)
+        except Exception as exc:  # noqa: BLE001 - the next status call tries again
+            self.out.write(f"{record.name} stopping: could not terminate {', '.join(running)} "
+                           f"({aws.as_dtrain_error(exc, 'terminating')}); trying again later\n")
+            return
+        self.out.write(f"{record.name} stopping: terminated {len(running)} node(s) still "
+                       f"running ({', '.join(running)})\n")
 
     def _observe(self, record: JobRecord) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
         """What ``status`` would write (status, fields, target data), read-only."""
@@ -337,8 +355,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         if alive:
             return None, {}, {}
         if record.status == STOPPING:
-            return STOPPED, {"failure_reason": record.failure_reason
-                             or "stopped by user (dtrain stop)"}, {}
+            return STOPPED, {"failure_reason": record.failure_reason or STOP_REASON}, {}
         who = f"pid {owner['pid']} on {owner['host']}" if owner else "its launcher"
         return FAILED, {"failure_reason": f"launch interrupted: the process that launched it "
                                           f"({who}) exited before every node was launched; "
@@ -362,30 +379,38 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
     def stop(self, record: JobRecord | str, *, store: JobStore | None = None) -> JobRecord:
         """Terminate every node of the job, then delete the groups dtrain created for it.
 
-        Also for a job that has already ended (one failed node ends a job while its peers may
-        still run): whatever of it still runs is terminated, and the job keeps its status.
+        The record says Stopping before anything is terminated: a launch still under way sees
+        it before its next node and rolls back, and if this call is cut short (Ctrl-C during the
+        wait) ``status`` terminates what still runs. A node the launch started while this call
+        was terminating the others is terminated too. Also for a job that has already ended
+        (one failed node ends a job while its peers may still run): whatever of it still runs
+        is terminated, and the job keeps its status.
         """
         store, record = self._resolve(record, store)
         ec2 = self.client("ec2")
-        created = res.job_resources(ec2, record.name,
-                                    launch=(record.target_data or {}).get("launch_token"))
-        if record.is_final and not (created.instances or created.security_groups
-                                    or created.placement_groups):
-            return record
-        left = res.rollback(ec2, None, created, sleep=self.sleep, keep_uploads=True)
+        launch = (record.target_data or {}).get("launch_token")
         ended = f" (it had ended: {record.status})" if record.is_final else ""
+        if not record.is_final:
+            record = store.update(record.id, status=STOPPING, failure_reason=STOP_REASON,
+                                  target_data={"stop_requested_at": self.clock().timestamp()})
+        created = res.job_resources(ec2, record.name, launch=launch)
+        if ended and not (created.instances or created.security_groups
+                          or created.placement_groups):
+            return record
+        left = res.rollback(ec2, None, created, sleep=self.sleep, keep_uploads=True,
+                            relist=lambda: res.job_instance_ids(ec2, record.name, launch=launch))
         self.out.write(f"stopped {record.name}{ended}: terminated {len(created.instances)} "
                        "node(s)" + (f"; could not remove {', '.join(left)}: run `dtrain ec2 gc`"
                                     if left else "") + "\n")
         cleanup = {"cleanup": self._teardown_cleanup(created, left)}
-        if record.is_final:
+        record = store.get(record.id)
+        if record.is_final:  # it had ended, or the launch under way rolled back meanwhile
             return store.update_target_data(record.id, cleanup)
         # a launch still under way finishes the stop itself (it checks before each node)
         under_way = (not launched(record)
                      and process_alive(record.target_data.get("launcher")) is not False)
         return store.update(record.id, status=STOPPING if launched(record) or under_way
-                            else STOPPED, failure_reason="stopped by user (dtrain stop)",
-                            target_data=cleanup)
+                            else STOPPED, failure_reason=STOP_REASON, target_data=cleanup)
 
     def leftovers(self, *, store: JobStore | None = None, include_running: bool = False,
                   min_age_s: float = GC_MIN_AGE_S, dry_run: bool = False) -> res.Leftovers:
@@ -500,6 +525,12 @@ def cleanup_pending(record: JobRecord) -> bool:
     """
     cleanup = (record.target_data or {}).get("cleanup")
     return cleanup is None or cleanup.get("state") == "pending"
+
+
+def stop_requested(record: JobRecord) -> bool:
+    """True once `dtrain stop` was run on the job (not an interruption's Stopping)."""
+    return bool((record.target_data or {}).get("stop_requested_at")
+                or record.failure_reason == STOP_REASON)
 
 
 def launched(record: JobRecord) -> bool:

@@ -124,13 +124,18 @@ def job_placement_groups(ec2: Any, job: str | None, *,
     return ec2.describe_placement_groups(Filters=_tag_filters(job, launch))["PlacementGroups"]
 
 
+def job_instance_ids(ec2: Any, job: str, *, launch: str | None = None) -> list[str]:
+    """The job's (launch's) nodes not terminated yet, shutting-down ones included."""
+    return [i["InstanceId"] for i in job_instances(ec2, job, launch=launch)
+            if i["State"]["Name"] != "terminated"]
+
+
 def job_resources(ec2: Any, job: str, *, launch: str | None = None) -> Created:
     """What dtrain created and tagged for a job (one launch of it when ``launch`` is given):
     its nodes still not terminated, its security group, its placement group. A placement group
     the user named in ``ec2.placement_group`` carries no dtrain tag, so it is never listed."""
     found = Created(job=job)
-    found.instances = [i["InstanceId"] for i in job_instances(ec2, job, launch=launch)
-                       if i["State"]["Name"] != "terminated"]
+    found.instances = job_instance_ids(ec2, job, launch=launch)
     found.security_groups = [g["GroupId"] for g in job_security_groups(ec2, job, launch=launch)]
     found.placement_groups = [g["GroupName"]
                               for g in job_placement_groups(ec2, job, launch=launch)]
@@ -140,18 +145,23 @@ def job_resources(ec2: Any, job: str, *, launch: str | None = None) -> Created:
 # ---------------------------------------------------------------- teardown
 
 def rollback(ec2: Any, s3: Any, created: Created, *, sleep: Callable[[float], None],
-             keep_uploads: bool = False) -> list[str]:
-    """Remove everything in ``created``; returns what could not be removed (for the message)."""
-    left: list[str] = []
-    if created.instances:
-        going = _terminate(ec2, created.instances)
-        left += [i for i in created.instances if i not in going]
-        try:
-            if going:
-                ec2.get_waiter("instance_terminated").wait(
-                    InstanceIds=going, WaiterConfig={"Delay": 15, "MaxAttempts": 40})
-        except Exception:  # noqa: BLE001 - reported below, the rest still gets a try
-            left += going
+             keep_uploads: bool = False,
+             relist: Callable[[], list[str]] | None = None) -> list[str]:
+    """Remove everything in ``created``; returns what could not be removed (for the message).
+
+    ``relist`` (the launch's nodes not terminated, listed again) is for a stop that races a
+    launch still under way: a node whose RunInstances landed after ``created`` was listed is
+    terminated too, before the groups it would hold. Such nodes are added to ``created``.
+    """
+    left = _terminate_and_wait(ec2, created.instances)
+    seen = set(created.instances)
+    while relist is not None:  # the launcher checks the record before each node: few rounds
+        late = [i for i in relist() if i not in seen]
+        if not late:
+            break
+        seen.update(late)
+        created.instances += late
+        left += _terminate_and_wait(ec2, late)
     for group_id in created.security_groups:
         if not _delete_with_retry(lambda g=group_id: ec2.delete_security_group(GroupId=g), sleep):
             left.append(group_id)
@@ -162,6 +172,21 @@ def rollback(ec2: Any, s3: Any, created: Created, *, sleep: Callable[[float], No
         from dtrain.launcher import packaging
 
         packaging.delete_objects(s3, created.uploads)
+    return left
+
+
+def _terminate_and_wait(ec2: Any, instance_ids: list[str]) -> list[str]:
+    """Terminate the nodes and wait until they are gone; returns those that may not be."""
+    if not instance_ids:
+        return []
+    going = _terminate(ec2, instance_ids)
+    left = [i for i in instance_ids if i not in going]
+    try:
+        if going:
+            ec2.get_waiter("instance_terminated").wait(
+                InstanceIds=going, WaiterConfig={"Delay": 15, "MaxAttempts": 40})
+    except Exception:  # noqa: BLE001 - reported by the caller, the rest still gets a try
+        left += going
     return left
 
 

@@ -10,6 +10,9 @@ off through its own client.
 
 from __future__ import annotations
 
+import io
+import threading
+
 import boto3
 import pytest
 import test_ec2_launch as ec2_test
@@ -17,6 +20,7 @@ from dtrain.errors import DtrainError
 from dtrain.launcher import ec2_bootstrap as boot
 from dtrain.launcher import ec2_requests as req
 from dtrain.launcher import ec2_resources as res
+from dtrain.launcher.ec2 import Ec2Launcher
 from dtrain.store import JobStore
 from test_ec2_launch import (
     REGION,
@@ -204,6 +208,109 @@ def test_stop_while_the_launch_is_under_way_ends_it_stopped_with_nothing_left(aw
     assert record.status == "Stopped"
     assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {}
+
+
+def another_shell(aws) -> tuple[Ec2Launcher, object]:
+    """`dtrain stop` from another shell: the same job store, its own launcher and EC2 client (so
+    the test doubles below slow down its calls only)."""
+    ec2 = boto3.client("ec2", region_name=REGION)
+    return Ec2Launcher(ec2_client=ec2, s3_client=aws["s3"], region=REGION,
+                       stream=io.StringIO(), sleep=lambda s: None), ec2
+
+
+def test_a_stop_that_runs_while_the_launch_goes_on_leaves_no_node_running(aws):
+    # the stop runs in a thread while the launcher launches; its termination takes a while (a
+    # real node needs about a minute), and the launcher goes on with node 2 meanwhile
+    launcher = launcher_for(aws, assume_yes=True)
+    request = p4d_request(launcher, aws)
+    stopper, stopper_ec2 = another_shell(aws)
+    terminating, release = threading.Event(), threading.Event()
+
+    def termination_takes_a_while(**_):
+        terminating.set()
+        release.wait(60)
+    stopper_ec2.meta.events.register("before-call.ec2.TerminateInstances",
+                                     termination_takes_a_while)
+    stops = []
+    stop = threading.Thread(target=lambda: stops.append(stopper.stop(request["job"])))
+
+    def stop_before_node_two(**_):
+        if len(live_instances(aws["ec2"])) == 1 and not stop.is_alive() and not stops:
+            stop.start()
+            assert terminating.wait(60), "the stop never got to terminating node 1"
+    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
+    try:
+        launcher.submit(request)
+        outcome = "launched every node"
+    except DtrainError as exc:
+        outcome = str(exc)
+    release.set()
+    stop.join(60)
+    record = launcher.status(JobStore().find(request["job"]))  # as a waiting client does
+    assert live_instances(aws["ec2"]) == [], "a node of the stopped launch still runs"
+    assert record.status == "Stopped"
+    assert outcome.startswith("stopped by `dtrain stop` while launching (launched 2 of 2 nodes, "
+                              "all terminated)")
+    assert stops[0].status == "Stopped" and dtrain_groups(aws["ec2"]) == []
+    assert aws["pg"].groups == {}
+
+
+def test_stop_terminates_a_node_the_launch_started_while_it_was_terminating_the_others(aws):
+    # node 2's RunInstances lands after the stop listed the launch's nodes, then the launcher
+    # stalls (EC2 slow to answer, a suspended laptop): the stop alone must get node 2 too
+    launcher = launcher_for(aws, assume_yes=True)
+    request = p4d_request(launcher, aws)
+    stopper, stopper_ec2 = another_shell(aws)
+    terminating, node_two = threading.Event(), threading.Event()
+
+    def termination_takes_a_while(**_):
+        terminating.set()
+        node_two.wait(60)
+    stopper_ec2.meta.events.register("before-call.ec2.TerminateInstances",
+                                     termination_takes_a_while)
+    stops, runs, live_once_stopped = [], [], []
+    stop = threading.Thread(target=lambda: stops.append(stopper.stop(request["job"])))
+
+    def stop_before_node_two(**_):
+        runs.append(1)
+        if len(runs) == 2:
+            stop.start()
+            assert terminating.wait(60), "the stop never got to terminating node 1"
+
+    def stall_after_node_two(**_):
+        if len(runs) == 2 and not node_two.is_set():
+            node_two.set()
+            stop.join(60)  # the launcher is stalled until the stop has returned
+            live_once_stopped.extend(i["InstanceId"] for i in live_instances(aws["ec2"]))
+    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
+    aws["ec2"].meta.events.register("after-call.ec2.RunInstances", stall_after_node_two)
+    with pytest.raises(DtrainError, match="stopped by `dtrain stop` while launching"):
+        launcher.submit(request)
+    assert stops and live_once_stopped == [], "the stop returned with node 2 running"
+    assert "terminated 2 node(s)" in stopper.out.getvalue()
+    record = JobStore().find(request["job"])
+    assert record.status == "Stopped" and live_instances(aws["ec2"]) == []
+    assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
+
+
+def test_ctrl_c_during_stop_leaves_a_stopping_job_whose_nodes_the_next_status_terminates(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws))
+    stopper, stopper_ec2 = another_shell(aws)
+
+    def ctrl_c(**_):
+        raise KeyboardInterrupt
+    stopper_ec2.meta.events.register("before-call.ec2.TerminateInstances", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        stopper.stop(record.id)
+    record = JobStore().get(record.id)
+    assert record.status == "Stopping" and record.failure_reason == "stopped by user (dtrain stop)"
+    assert len(live_instances(aws["ec2"])) == 2
+    record = launcher.status(record)  # terminates what the interrupted stop left running
+    assert live_instances(aws["ec2"]) == []
+    record = launcher.status(record)
+    assert record.status == "Stopped" and record.failure_reason == "stopped by user (dtrain stop)"
+    assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
 
 
 def test_each_resource_of_a_launch_carries_its_launch_time(aws):
