@@ -233,6 +233,14 @@ class InterruptionAwareAgent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         self.exit_codes = exit_codes
 
+    def _start_workers(self, worker_group):
+        started = super()._start_workers(worker_group)
+        # Describing an interruption reads checkpoints with dtrain.runtime.checkpoint, whose torch
+        # imports take seconds: imported after a SIGTERM, they spent the time the launcher leaves
+        # for the report before its SIGKILL. Import it while the workers import torch themselves.
+        importlib.import_module(".checkpoint", __package__)
+        return started
+
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
         if result.is_failed() and is_interruption(result.failures):
