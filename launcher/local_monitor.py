@@ -127,7 +127,9 @@ def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list
         if any(code not in (None, 0) for code in codes):
             if set(codes) <= {None, 0, contract.PREEMPTED_EXIT_CODE}:
                 # Interrupted: the other hosts stop at the same step on their own, and say where
-                # (unless `dtrain stop` comes first).
+                # (unless `dtrain stop` comes first); the secondary status says why it still
+                # runs, as on EC2.
+                store.update(job_id, target_data={"secondary_status": "Interrupted"})
                 wait_for_agents(agents, grace + 5, stop_requested=stop_requested)
             break
         time.sleep(0.2)
