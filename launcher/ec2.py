@@ -14,10 +14,12 @@ the job's tags (its S3 prefix, launch token and launch time included), nodes wri
 ``{prefix}/status/<host>.json`` and their logs under ``{prefix}/logs/<host>/``. ``stop``
 terminates every node and deletes the groups dtrain created, also for a job that already ended.
 A job that ends on its own leaves nothing behind either: the ``status`` call that sees it end
-terminates what of it still runs (a failed node's peers) and deletes the groups dtrain created
-for it, one try per call (a security group stays in use while the nodes' network interfaces
-detach), and keeps what happened in the record's ``cleanup`` so later calls know whether to try
-again; ``pending_cleanup`` tells a caller waiting for the job what is still to go.
+terminates what of it still runs and deletes the groups dtrain created for it, one try per call
+(a security group stays in use while the nodes' network interfaces detach), and keeps what
+happened in the record's ``cleanup`` so later calls know whether to try again;
+``pending_cleanup`` tells a caller waiting for the job what is still to go. A failed node's
+peers that have not reported are the exception: they upload their checkpoints only when their
+own job ends, so they are left running until ``res.FAILED_PEER_GRACE_S`` after the failure.
 ``leftovers`` is what `dtrain ec2 gc` removes.
 """
 
@@ -92,9 +94,9 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
                                 region=region, stream=stream, clock=clock, sleep=sleep)
         self.assume_yes = assume_yes
         self.confirm = confirm
-        # jobs whose groups this launcher already said are not removed yet: a caller waiting
-        # for the removal polls status every few seconds and needs that line once, not each time
-        self._told_pending: set[str] = set()
+        # jobs whose groups (or spared peers) this launcher already said are not removed yet: a
+        # caller waiting polls status every few seconds and needs that line once, not each time
+        self._told_pending: set[Any] = set()
 
     # ---------------------------------------------------------------- request
 
@@ -455,7 +457,15 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         left = [f"{kinds[name]} {name}" if name in kinds else name
                 for name in cleanup.get("left", [])]
         nodes = cleanup.get("nodes_left") or 0
-        if nodes:
+        spared = len(cleanup.get("spared") or [])
+        if spared:
+            them = ("the node still running after the failure has uploaded its checkpoints"
+                    if spared == 1 else f"the {spared} nodes still running after the failure "
+                    "have uploaded their checkpoints")
+            once = (f"{them} and terminated (dtrain terminates "
+                    f"{'it' if spared == 1 else 'them'} at "
+                    f"{res.utc_time(cleanup['spared_until'])} at the latest)")
+        elif nodes:
             once = "the node has terminated" if nodes == 1 else f"the {nodes} nodes have terminated"
         else:
             once = "EC2 releases them" + (f" ({cleanup['reason']})" if cleanup.get("reason") else "")
@@ -473,16 +483,25 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         return the outcome."""
         try:
             removal = res.clear_ended_job(self.client("ec2"), record.name,
-                                          launch=record.target_data.get("launch_token"))
+                                          launch=record.target_data.get("launch_token"),
+                                          grace=self._peer_grace(record))
         except Exception as exc:  # noqa: BLE001 - a failed clean-up must not fail `status`
             removal = res.Removal(left=[f"the groups of {record.name}"], reason=str(
                 aws.as_dtrain_error(exc, "finding the groups")))
         return self._cleanup_record(record, removal)
 
+    def _peer_grace(self, record: JobRecord) -> res.PeerGrace | None:
+        """The grace of a failed job's unreported peers (none after `dtrain stop`)."""
+        prefix = (record.target_data or {}).get("prefix")
+        if stop_requested(record) or not prefix:
+            return None
+        nodes = res.read_status_objects(self.client("s3"), prefix)
+        return res.peer_grace(nodes, now=self.clock().timestamp())
+
     def _cleanup_record(self, record: JobRecord, removal: res.Removal) -> dict[str, Any]:
         previous = (record.target_data or {}).get("cleanup") or {}
         now = self.clock().timestamp()
-        first_try = previous.get("first_try_at", now)
+        first_try = previous.get("first_try_at") or now
         removed = [*previous.get("removed", []), *removal.removed]
         if removal.terminated:
             self.out.write(f"{record.name} ended: terminated {len(removal.terminated)} node(s) "
@@ -492,6 +511,9 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
                            "(the groups dtrain created for it)\n")
         if not removal.left and not removal.nodes_left:
             return {"state": "done", "removed": removed}
+        if removal.spared:  # left running on purpose: the retry clock starts once they go
+            return self._sparing(record, removal, removed=removed,
+                                 tries=previous.get("tries", 0) + 1)
         what = ", ".join(removal.left) or f"{removal.nodes_left} node(s)"
         if removal.retry and now - first_try < CLEANUP_RETRY_S:
             if record.id not in self._told_pending:
@@ -506,6 +528,21 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         return {"state": state, "removed": removed, "left": removal.left,
                 "reason": removal.reason, "nodes_left": removal.nodes_left,
                 "first_try_at": first_try, "tries": previous.get("tries", 0) + 1}
+
+    def _sparing(self, record: JobRecord, removal: res.Removal, *, removed: list[str],
+                 tries: int) -> dict[str, Any]:
+        """The cleanup entry while a failed job's unreported peers may still upload."""
+        if (record.id, "spared") not in self._told_pending:
+            self.out.write(f"{record.name} ended: leaving {len(removal.spared)} node(s) that "
+                           f"have not reported running ({', '.join(removal.spared)}) so they "
+                           "can upload their checkpoints; they are terminated at "
+                           f"{res.utc_time(removal.spared_until)} if still running; "
+                           f"{retry_hint(record)}\n")
+            self._told_pending.add((record.id, "spared"))
+        return {"state": "pending", "removed": removed, "left": removal.left,
+                "reason": removal.reason, "nodes_left": removal.nodes_left,
+                "spared": removal.spared, "spared_until": removal.spared_until,
+                "tries": tries}
 
     def _teardown_cleanup(self, created: res.Created, left: list[str]) -> dict[str, Any]:
         """The cleanup entry after a blocking teardown (failed launch, stop)."""

@@ -31,6 +31,12 @@ from dtrain.store import (
 LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
 RUNNING_STATES = ("pending", "running")  # a node in these can still do work and report it
 NODE_FINAL_STATES = ("completed", "stopped", "failed")  # what ec2_bootstrap writes at the end
+# After a node reports a failure, its peers that have not reported yet are left running this
+# long before dtrain terminates them. A node uploads its checkpoints only when its own job ends:
+# a peer's agent exits once its collectives with the failed node time out (the runtime's process
+# group timeout, dtrain.runtime.context.DEFAULT_TIMEOUT_S: 30 min), then its bootstrap uploads
+# its checkpoint shards (15 min here for a large sharded checkpoint), reports and powers off.
+FAILED_PEER_GRACE_S = 2700.0
 DELETE_ATTEMPTS = 20
 DELETE_RETRY_S = 15.0
 # EC2's answers while terminated nodes' network interfaces are still detaching: try again later.
@@ -237,17 +243,53 @@ class Removal:
     retry: bool = True  # False: EC2 refused for a reason waiting will not fix
     nodes_left: int = 0  # nodes of the launch not terminated yet: no group was tried
     terminated: list[str] = field(default_factory=list)  # nodes this try asked EC2 to terminate
+    spared: list[str] = field(default_factory=list)  # a failed job's peers left to upload
+    spared_until: float | None = None  # when those are terminated (epoch seconds)
 
 
-def clear_ended_job(ec2: Any, job: str, *, launch: str | None) -> Removal:
+@dataclass(frozen=True)
+class PeerGrace:
+    """A failed job's nodes that have not reported yet are left running until ``until`` (epoch
+    seconds) so they can upload their checkpoints; ``reported``: nodes that wrote a final report."""
+
+    until: float
+    reported: frozenset[str]
+
+    def spares(self, instance: dict[str, Any]) -> bool:
+        return (instance["State"]["Name"] in RUNNING_STATES
+                and instance["InstanceId"] not in self.reported)
+
+
+def peer_grace(nodes: list[dict[str, Any]], *, now: float) -> PeerGrace | None:
+    """The grace of a failed job's unreported peers, from the nodes' reports; None when no node
+    reported a failure or ``FAILED_PEER_GRACE_S`` has passed since the first such report.
+
+    It runs from the report's own time (``updated``, which every ``write_status`` sets), so
+    `dtrain status` and `dtrain ec2 gc` on any machine agree on it.
+    """
+    failed_at = [n["updated"] for n in nodes if n.get("state") == "failed" and n.get("updated")]
+    if not failed_at or now >= min(failed_at) + FAILED_PEER_GRACE_S:
+        return None
+    return PeerGrace(until=min(failed_at) + FAILED_PEER_GRACE_S,
+                     reported=frozenset(n.get("instance_id") for n in nodes
+                                        if n.get("state") in NODE_FINAL_STATES))
+
+
+def utc_time(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def clear_ended_job(ec2: Any, job: str, *, launch: str | None,
+                    grace: PeerGrace | None = None) -> Removal:
     """Terminate what still runs of a job that has ended, and delete its groups; one try.
 
     A job ends while nodes may still run: a failed node ends it while its peers hang in a
     collective, and a node can be stopped rather than terminated. Those are terminated (a node
-    already shutting down is left to finish). While a node of the launch is not yet terminated
-    its network interfaces hold the security group (and the node the placement group), so no
-    group is tried then. No waiting, no sleeping: the caller records what is left and tries
-    again on its next call.
+    already shutting down is left to finish), except the peers ``grace`` spares: they may still
+    upload their checkpoints. While a node of the launch is not yet terminated its network
+    interfaces hold the security group (and the node the placement group), so no group is tried
+    then. No waiting, no sleeping: the caller records what is left and tries again on its next
+    call.
     """
     instances = [i for i in job_instances(ec2, job, launch=launch)
                  if i["State"]["Name"] != "terminated"]
@@ -260,7 +302,13 @@ def clear_ended_job(ec2: Any, job: str, *, launch: str | None) -> Removal:
         result.left = [name for name, _ in groups]
         result.nodes_left = len(instances)
         result.reason = f"{result.nodes_left} node(s) not terminated yet"
-        running = [i["InstanceId"] for i in instances if i["State"]["Name"] != "shutting-down"]
+        result.spared = [i["InstanceId"] for i in instances if grace and grace.spares(i)]
+        if result.spared:
+            result.spared_until = grace.until
+            result.reason += (f"; {len(result.spared)} left running after a peer failed, to "
+                              f"upload their checkpoints, until {utc_time(grace.until)}")
+        running = [i["InstanceId"] for i in instances if i["State"]["Name"] != "shutting-down"
+                   and i["InstanceId"] not in result.spared]
         if running:
             try:
                 ec2.terminate_instances(InstanceIds=running)
@@ -303,7 +351,8 @@ def job_state(instances: dict[str, str], nodes: list[dict], num_nodes: int) -> d
 
     ``status`` is one of the store's names (None: nothing is known yet), ``secondary_status``
     says more while it runs. A failed node fails the job at once; ``Ec2Launcher.status`` then
-    terminates the nodes still running, as SageMaker stops a failed job's other hosts. A stopped
+    terminates the nodes that reported too and still run, and the others once ``peer_grace``
+    ends (they upload their checkpoints when their own job ends). A stopped
     node (interrupted: it or a peer got SIGTERM and its workers stopped after a checkpoint) makes
     the job Stopping while other nodes still run, so they can checkpoint and upload too, then
     Stopped with the node's own reason (the runtime's interruption line) once none runs.
@@ -418,6 +467,9 @@ class Leftovers:
 
     remove: Created = field(default_factory=lambda: Created(job="*"))
     too_recent: list[str] = field(default_factory=list)
+    # of failed jobs whose unreported peers may still upload checkpoints; kept until then
+    finishing: list[str] = field(default_factory=list)
+    finishing_until: float | None = None
 
     def add(self, found: Created) -> None:
         self.remove.instances += found.instances
@@ -435,32 +487,55 @@ def find_leftovers(launches: dict[str, Launch], *, now: datetime, s3: Any = None
     is left alone while younger than ``min_age_s`` (it may still be launching: its groups exist
     before its nodes); after that its groups go once no node of it is live, and its nodes too
     when fewer than its ``dtrain:num-nodes`` were ever launched (a launcher killed mid-way) or
-    its nodes' status objects (read with ``s3``) say the job ended. ``include_running``: all.
+    its nodes' status objects (read with ``s3``) say the job ended. Either way, while a node
+    reported a failure and a peer that has not reported still runs (``peer_grace``), the launch
+    is kept whole in ``finishing``: that peer may still upload its checkpoints, and its groups
+    are in use. ``include_running``: all.
     """
     found = Leftovers()
     for token, launch in launches.items():
         started = launch.started()
         everything = launch.everything()
-        if include_running or token in ended:
+        names = [*everything.instances, *everything.security_groups, *everything.placement_groups]
+        if include_running:
             found.add(everything)
         elif token in running:
             continue
-        elif started is not None and (now - started).total_seconds() < min_age_s:
-            found.too_recent += [*everything.instances, *everything.security_groups,
-                                 *everything.placement_groups]
-        elif not launch.live or len(launch.instances) < launch.num_nodes or (
+        elif (token not in ended and started is not None
+              and (now - started).total_seconds() < min_age_s):
+            found.too_recent += names
+        elif token in ended or not launch.live or len(launch.instances) < launch.num_nodes or (
                 s3 is not None and _reported_ended(s3, launch)):
-            found.add(everything)
+            until = _peers_finishing(s3, launch, now=now)
+            if until is None:
+                found.add(everything)
+            else:
+                found.finishing += names
+                found.finishing_until = max(found.finishing_until or until, until)
     return found
+
+
+def _reports(s3: Any, launch: Launch) -> list[dict[str, Any]]:
+    """The status objects of the launch's own nodes; [] when they cannot be read."""
+    ids = {i["InstanceId"] for i in launch.instances}
+    prefix = tag_map(launch.instances[0]).get(req.TAG_PREFIX)
+    try:
+        return [n for n in read_status_objects(s3, prefix) if n.get("instance_id") in ids]
+    except Exception:  # noqa: BLE001 - unreadable reports: judge by the instance states alone
+        return []
 
 
 def _reported_ended(s3: Any, launch: Launch) -> bool:
     """True when the launch's nodes' own reports and EC2's states say its job ended."""
-    ids = {i["InstanceId"] for i in launch.instances}
-    prefix = tag_map(launch.instances[0]).get(req.TAG_PREFIX)
-    try:
-        nodes = [n for n in read_status_objects(s3, prefix) if n.get("instance_id") in ids]
-    except Exception:  # noqa: BLE001 - unreadable reports: judge by the instance states alone
-        nodes = []
     states = {i["InstanceId"]: i["State"]["Name"] for i in launch.instances}
-    return job_state(states, nodes, launch.num_nodes)["status"] in FINAL_STATUSES
+    return job_state(states, _reports(s3, launch), launch.num_nodes)["status"] in FINAL_STATUSES
+
+
+def _peers_finishing(s3: Any, launch: Launch, *, now: datetime) -> float | None:
+    """Until when a failed job's unreported peers of this launch are left running; None if none."""
+    if s3 is None or not launch.live:
+        return None
+    grace = peer_grace(_reports(s3, launch), now=now.timestamp())
+    if grace is None or not any(grace.spares(i) for i in launch.live):
+        return None
+    return grace.until

@@ -36,8 +36,10 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
     runs is kept. A launch without a record is kept while younger than --min-age; after that
     its groups go once none of its nodes is live, and its nodes too when fewer than the job's
     node count were ever launched (a launcher killed mid-launch) or the nodes' own status
-    objects say the job ended. --all removes every tagged resource. Untagged resources, such as
-    a placement group named in `ec2.placement_group`, are never touched.
+    objects say the job ended. Either way, while a node reported a failure less than 45 minutes
+    ago, a launch whose other nodes have not reported and still run is kept: they upload their
+    checkpoints when their own job ends. --all removes every tagged resource. Untagged
+    resources, such as a placement group named in `ec2.placement_group`, are never touched.
     """
     from dtrain.launcher import ec2_resources
     from dtrain.launcher.ec2 import Ec2Launcher
@@ -53,6 +55,11 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
         click.echo(f"keeping {len(leftovers.too_recent)} resource(s) of launches younger than "
                    f"{min_age_min:g} min ({', '.join(leftovers.too_recent)}); --min-age 0 "
                    "includes them")
+    if leftovers.finishing:
+        click.echo(f"keeping {len(leftovers.finishing)} resource(s) of failed jobs whose other "
+                   "nodes may still upload their checkpoints, until "
+                   f"{ec2_resources.utc_time(leftovers.finishing_until)} "
+                   f"({', '.join(leftovers.finishing)}); --all includes them")
     if not items:
         click.echo("no dtrain leftovers found")
         return

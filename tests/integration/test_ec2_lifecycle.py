@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import io
 import threading
+import time
+from datetime import datetime, timezone
 
 import boto3
 import pytest
@@ -40,15 +42,21 @@ def aws(tmp_path, monkeypatch):
     yield from ec2_test.moto_aws(tmp_path, monkeypatch)
 
 
-def report(aws, record, rank: int, state: str, reason: str = "") -> str:
-    """Node ``rank`` writes its status object, as ``ec2_bootstrap.run_node`` does; its id."""
+def report(aws, record, rank: int, state: str, reason: str = "", **extra) -> str:
+    """Node ``rank`` writes its status object, as ``ec2_bootstrap.run_node`` does; its id.
+    ``updated=`` backdates the report."""
     instance_id = record.target_data["instance_ids"][rank]
     instance = aws["ec2"].describe_instances(
         InstanceIds=[instance_id])["Reservations"][0]["Instances"][0]
     node = boot.Node(rank=rank, private_ip=instance["PrivateIpAddress"], instance_id=instance_id,
                      root="/opt/ml", work_dir="/opt/dtrain")
-    boot.write_status(aws["s3"], record.target_data, node, state, reason=reason)
+    boot.write_status(aws["s3"], record.target_data, node, state, reason=reason, **extra)
     return instance_id
+
+
+def failed_long_ago() -> float:
+    """A failure report's time from before the peers' grace began."""
+    return time.time() - res.FAILED_PEER_GRACE_S - 60
 
 
 def power_off(*instance_ids: str) -> None:
@@ -84,27 +92,55 @@ def test_dtrain_stop_says_stopped_by_user(aws):
 
 # ---------------------------------------------------------------- nothing runs once a job ended
 
-def test_a_failed_node_fails_the_job_and_status_terminates_its_peers_still_running(aws):
-    launcher = launcher_for(aws, assume_yes=True)
+def test_a_failed_nodes_peer_that_has_not_reported_runs_until_the_grace_ends_then_goes(aws):
+    now = {"t": time.time()}
+    launcher = launcher_for(aws, assume_yes=True, clock=lambda: datetime.fromtimestamp(
+        now["t"], timezone.utc))
     record = launcher.submit(p4d_request(launcher, aws))
     failed = report(aws, record, 0, "failed", "rank 3 exited with code 1: CUDA error")
+    now["t"] = time.time()
     power_off(failed)
-    peer = report(aws, record, 1, "running")  # hangs in a collective waiting for node 0
+    # waits in a collective for node 0 until it times out, then uploads its checkpoint shards
+    peer = report(aws, record, 1, "running")
     record = launcher.status(record)
     assert record.status == "Failed"
     assert record.failure_reason == "rank 3 exited with code 1: CUDA error"
-    assert live_instances(aws["ec2"]) == []
+    assert [i["InstanceId"] for i in live_instances(aws["ec2"])] == [peer], \
+        "the failed node's peer was terminated before it could upload its checkpoints"
+    cleanup = record.target_data["cleanup"]
+    assert cleanup["state"] == "pending" and cleanup["spared"] == [peer]
+    assert f"leaving 1 node(s) that have not reported running ({peer})" in launcher.out.getvalue()
+    assert launcher.pending_cleanup(record).once.startswith(
+        "the node still running after the failure has uploaded its checkpoints and terminated "
+        "(dtrain terminates it at ")
+    now["t"] += res.FAILED_PEER_GRACE_S - 60
+    record = launcher.status(record)
+    assert [i["InstanceId"] for i in live_instances(aws["ec2"])] == [peer]
+    now["t"] += 61  # the grace has passed: its collectives would have timed out long ago
+    record = launcher.status(record)
+    assert live_instances(aws["ec2"]) == [] and record.target_data["cleanup"]["state"] == "pending"
     assert f"terminated 1 node(s) still running ({peer})" in launcher.out.getvalue()
-    assert record.target_data["cleanup"]["state"] == "pending"  # groups: once it is gone
     record = launcher.status(record)
     assert record.target_data["cleanup"]["state"] == "done" and dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {} and record.status == "Failed"
 
 
-def ended_with_a_live_peer(aws, launcher):
-    """A Failed job whose peer still runs, as a dtrain that did not terminate peers left it."""
+def test_a_failed_nodes_peer_that_has_reported_is_terminated_at_once_the_others_are_left(aws):
+    launcher = launcher_for(aws, assume_yes=True)
+    record = launcher.submit(p4d_request(launcher, aws, "compute.instance_count=3"))
+    power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1: CUDA error"))
+    done = report(aws, record, 1, "failed", "rank 9: NCCL timeout")  # uploaded; powering off
+    left = report(aws, record, 2, "running")
+    asked = ec2_test.termination_takes_a_while(aws["ec2"])
+    record = launcher.status(record)
+    assert record.status == "Failed" and asked == [[done]]
+    assert record.target_data["cleanup"]["spared"] == [left]
+
+
+def ended_with_a_live_peer(aws, launcher, *, failed_at: float):
+    """A Failed job whose peer still runs and has not reported, its groups left for gc."""
     record = launcher.submit(p4d_request(launcher, aws))
-    power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1"))
+    power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1", updated=failed_at))
     store = JobStore()
     store.update(record.id, status="Failed", failure_reason="rank 3 exited with code 1")
     record = store.update_target_data(record.id, {"cleanup": {
@@ -116,8 +152,8 @@ def ended_with_a_live_peer(aws, launcher):
 
 def test_stop_of_a_job_that_already_failed_terminates_what_still_runs_and_keeps_the_status(aws):
     launcher = launcher_for(aws, assume_yes=True)
-    record = ended_with_a_live_peer(aws, launcher)
-    stopped = launcher.stop(record.id)
+    record = ended_with_a_live_peer(aws, launcher, failed_at=time.time())
+    stopped = launcher.stop(record.id)  # the user's call: no grace for the peer
     assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {}
     assert stopped.status == "Failed" and stopped.failure_reason == "rank 3 exited with code 1"
@@ -132,7 +168,7 @@ def test_gc_removes_the_live_peer_and_groups_of_a_job_its_record_says_failed(aws
     from dtrain.cli_ec2 import ec2 as ec2_group
 
     launcher = launcher_for(aws, assume_yes=True)
-    record = ended_with_a_live_peer(aws, launcher)
+    record = ended_with_a_live_peer(aws, launcher, failed_at=failed_long_ago())
     peer = live_instances(aws["ec2"])[0]["InstanceId"]
     done = CliRunner().invoke(ec2_group, ["gc", "--yes"])  # however young the launch
     assert done.exit_code == 0, done.output
@@ -142,6 +178,23 @@ def test_gc_removes_the_live_peer_and_groups_of_a_job_its_record_says_failed(aws
     assert aws["pg"].groups == {}
 
 
+def test_gc_leaves_a_failed_jobs_unreported_peer_alone_while_it_may_upload(aws):
+    from click.testing import CliRunner
+    from dtrain.cli_ec2 import ec2 as ec2_group
+
+    launcher = launcher_for(aws, assume_yes=True)
+    record = ended_with_a_live_peer(aws, launcher, failed_at=time.time() - 60)
+    peer = live_instances(aws["ec2"])[0]["InstanceId"]
+    kept = CliRunner().invoke(ec2_group, ["gc", "--yes"])
+    assert kept.exit_code == 0, kept.output
+    assert kept.output.endswith("no dtrain leftovers found\n")
+    assert ("keeping 3 resource(s) of failed jobs whose other nodes may still upload their "
+            "checkpoints, until ") in kept.output and peer in kept.output
+    assert [i["InstanceId"] for i in live_instances(aws["ec2"])] == [peer]
+    assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [
+        record.target_data["security_group_id"]]
+
+
 def test_gc_without_a_record_removes_a_cluster_whose_nodes_reported_a_failure(aws, monkeypatch,
                                                                             tmp_path):
     from click.testing import CliRunner
@@ -149,7 +202,8 @@ def test_gc_without_a_record_removes_a_cluster_whose_nodes_reported_a_failure(aw
 
     launcher = launcher_for(aws, assume_yes=True)
     record = launcher.submit(p4d_request(launcher, aws))
-    power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1"))
+    power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1",
+                     updated=failed_long_ago()))  # the peer's grace has passed
     peer = report(aws, record, 1, "running")
     monkeypatch.setenv("DTRAIN_HOME", str(tmp_path / "another-machine"))  # no record there
     runner = CliRunner()

@@ -7,15 +7,20 @@ or a peer got SIGTERM and the workers stopped after a checkpoint), with the node
 
 from __future__ import annotations
 
-from dtrain.launcher.ec2_resources import job_state
+import pytest
+from dtrain.launcher.ec2_resources import FAILED_PEER_GRACE_S, job_state, peer_grace
 
 LINE = ("interrupted: training stopped at step 1200 after a checkpoint because a host received "
         "SIGTERM; resubmit to resume from s3://b/dtrain/job/checkpoints/step-001200")
 
 
-def node(rank: int, state: str, reason: str = "") -> dict:
+def node(rank: int, state: str, reason: str = "", updated: float = 0.0) -> dict:
     return {"host": f"10.0.0.{rank + 1}", "rank": rank, "instance_id": f"i-{rank}",
-            "state": state, "reason": reason}
+            "state": state, "reason": reason, "updated": updated}
+
+
+def instance(rank: int, state: str = "running") -> dict:
+    return {"InstanceId": f"i-{rank}", "State": {"Name": state}}
 
 
 def test_stopped_nodes_still_powering_off_make_the_job_stopped_not_starting():
@@ -65,3 +70,32 @@ def test_starting_running_completed_and_unknown():
 def test_nodes_gone_without_any_final_report_is_stopped_with_the_generic_reason():
     state = job_state({"i-0": "terminated", "i-1": "stopped"}, [node(0, "running")], 2)
     assert state["status"] == "Stopped" and "before every node reported" in state["failure_reason"]
+
+
+# ---------------------------------------------------------------- a failed job's peers
+
+def test_a_failed_jobs_unreported_peers_are_spared_until_the_grace_after_the_first_failure():
+    failed_at = 1_700_000_000.0
+    nodes = [node(0, "failed", "rank 3 exited with code 1", updated=failed_at),
+             node(1, "running", updated=failed_at - 600), node(2, "stopped", LINE),
+             node(3, "failed", "NCCL timeout", updated=failed_at + 1800)]
+    grace = peer_grace(nodes, now=failed_at + 60)
+    assert grace.until == failed_at + FAILED_PEER_GRACE_S  # from the first failure report
+    # still training or hung in a collective: its checkpoint shards are only on its disk
+    assert grace.spares(instance(1)) and grace.spares(instance(4, "pending"))
+    # a node that wrote its last report has uploaded: nothing to wait for
+    assert not grace.spares(instance(2)) and not grace.spares(instance(3))
+    assert not grace.spares(instance(1, "shutting-down"))
+    assert peer_grace(nodes, now=failed_at + FAILED_PEER_GRACE_S) is None
+
+
+def test_without_a_failure_report_nothing_is_spared():
+    assert peer_grace([node(0, "running", updated=1.0), node(1, "stopped", LINE)], now=2.0) is None
+    assert peer_grace([node(0, "failed", "x", updated=0.0)], now=1.0) is None  # no report time
+
+
+def test_the_grace_outlasts_the_runtimes_process_group_timeout_plus_an_upload():
+    pytest.importorskip("torch")
+    from dtrain.runtime.context import DEFAULT_TIMEOUT_S
+
+    assert FAILED_PEER_GRACE_S >= DEFAULT_TIMEOUT_S + 600
