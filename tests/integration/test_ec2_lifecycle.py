@@ -272,19 +272,27 @@ def another_shell(aws) -> tuple[Ec2Launcher, object]:
                        stream=io.StringIO(), sleep=lambda s: None), ec2
 
 
+def a_slow_stopper(aws, until: threading.Event) -> tuple[Ec2Launcher, threading.Event]:
+    """``another_shell`` whose TerminateInstances waits for ``until`` (a real node takes about a
+    minute to terminate); the returned event is set once the stop has got to terminating."""
+    stopper, stopper_ec2 = another_shell(aws)
+    terminating = threading.Event()
+
+    def termination_takes_a_while(**_):
+        terminating.set()
+        until.wait(60)
+    stopper_ec2.meta.events.register("before-call.ec2.TerminateInstances",
+                                     termination_takes_a_while)
+    return stopper, terminating
+
+
 def test_a_stop_that_runs_while_the_launch_goes_on_leaves_no_node_running(aws):
     # the stop runs in a thread while the launcher launches; its termination takes a while (a
     # real node needs about a minute), and the launcher goes on with node 2 meanwhile
     launcher = launcher_for(aws, assume_yes=True)
     request = p4d_request(launcher, aws)
-    stopper, stopper_ec2 = another_shell(aws)
-    terminating, release = threading.Event(), threading.Event()
-
-    def termination_takes_a_while(**_):
-        terminating.set()
-        release.wait(60)
-    stopper_ec2.meta.events.register("before-call.ec2.TerminateInstances",
-                                     termination_takes_a_while)
+    release = threading.Event()
+    stopper, terminating = a_slow_stopper(aws, until=release)
     stops = []
     stop = threading.Thread(target=lambda: stops.append(stopper.stop(request["job"])))
 
@@ -314,14 +322,8 @@ def test_stop_terminates_a_node_the_launch_started_while_it_was_terminating_the_
     # stalls (EC2 slow to answer, a suspended laptop): the stop alone must get node 2 too
     launcher = launcher_for(aws, assume_yes=True)
     request = p4d_request(launcher, aws)
-    stopper, stopper_ec2 = another_shell(aws)
-    terminating, node_two = threading.Event(), threading.Event()
-
-    def termination_takes_a_while(**_):
-        terminating.set()
-        node_two.wait(60)
-    stopper_ec2.meta.events.register("before-call.ec2.TerminateInstances",
-                                     termination_takes_a_while)
+    node_two = threading.Event()
+    stopper, terminating = a_slow_stopper(aws, until=node_two)
     stops, runs, live_once_stopped = [], [], []
     stop = threading.Thread(target=lambda: stops.append(stopper.stop(request["job"])))
 
