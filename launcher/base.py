@@ -114,7 +114,7 @@ def this_process() -> dict[str, Any]:
     """This process, described well enough to tell later whether it still runs."""
     pid = os.getpid()
     return {"host": socket.gethostname(), "pid": pid, "boot_id": _boot_id(),
-            "start": _start_ticks(pid)}
+            "pid_namespace": _pid_namespace(), "start": _start_ticks(pid)}
 
 
 def process_alive(owner: dict[str, Any] | None) -> bool | None:
@@ -124,6 +124,10 @@ def process_alive(owner: dict[str, Any] | None) -> bool | None:
         return None
     if owner.get("boot_id") != _boot_id():
         return False  # rebooted since: every process of then is gone
+    if owner.get("pid_namespace", _pid_namespace()) != _pid_namespace():
+        # another container on this kernel with the same host name (--net=host, a shared
+        # ~/.dtrain): its pids mean nothing here
+        return None
     pid = int(owner["pid"])
     start = _start_ticks(pid)
     if start is not None or os.path.isdir("/proc"):
@@ -136,6 +140,13 @@ def process_alive(owner: dict[str, Any] | None) -> bool | None:
     except PermissionError:
         return True
     return True
+
+
+def _pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
 
 def _boot_id() -> str | None:
