@@ -14,7 +14,7 @@ folders in a temporary directory and random tokens as its data channel. The tabl
 recipe's own ``metrics.jsonl``: the median of the logged intervals after the first (which holds
 compilation and allocator warm-up), so the figures are the ones a job reports. MFU's peak is
 the catalog figure of the GPU model the driver names (``DTRAIN_PEAK_TFLOPS`` overrides it;
-see ``dtrain.runtime.metrics``), and the FLOPs per token are ``6·N + 12·L·h·s``.
+see ``dtrain.runtime.train.metrics``), and the FLOPs per token are ``6·N + 12·L·h·s``.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ COLUMNS = ("model", "mbs", "seq", "kernel", "tokens/s", "TFLOP/s/GPU", "MFU", "p
 
 
 def _write_tokens(folder: Path, *, vocab: int, count: int, seed: int) -> None:
-    from dtrain.runtime.data import TokenDataset
+    from dtrain.runtime.train.data import TokenDataset
 
     tokens = np.random.default_rng(seed).integers(0, vocab, size=count)
     TokenDataset(tokens, {"vocab_size": vocab, "tokenizer": {"name": "random"}}).save(folder)
 
 
 def _run(args: argparse.Namespace, micro_batch_size: int, root: Path) -> dict:
-    from dtrain.presets import get_preset
+    from dtrain.core.presets import get_preset
 
     vocab = int(get_preset(args.model)["vocab_size"])
     data = root / "data"
@@ -97,7 +97,7 @@ def _format(row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gpt-neox-1.3b", help="a dtrain preset (dtrain.presets)")
+    p.add_argument("--model", default="gpt-neox-1.3b", help="a dtrain preset (dtrain.core.presets)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--attention", choices=("flash", "sdpa", "eager"), default="flash")

@@ -17,7 +17,7 @@ the MiCS mesh; each with gradient accumulation 1 and 4. Every row trains the sam
 same data for the same steps. It prints one table (median step time, tokens/s, inter-host bytes
 per step from the veth counters and from ``ctx.comm_stats``, compute-only step time, and the
 planner's predicted step time), the measured MiCS/ZeRO-3 ratios next to the planner's
-(``dtrain.costmodel`` calibrated on this machine), and the planner's ratios for 16 and 64
+(``dtrain.planning.costmodel`` calibrated on this machine), and the planner's ratios for 16 and 64
 p4d.24xlarge hosts.
 """
 
@@ -107,7 +107,7 @@ def write_contracts(job_dir: Path, name: str, *, hosts: list[str], devs: list[st
                     hyperparameters: dict, distribution: dict | None = None,
                     per_host: int = PER_HOST) -> list[str]:
     """One container-contract tree per host (as the local launcher writes them)."""
-    from dtrain import contract
+    from dtrain.core import contract
 
     settings = contract.Settings(
         entry_point=Path(__file__).name, job_name=name, instance_type="local",
@@ -399,7 +399,7 @@ def compute_only_step(args: argparse.Namespace) -> float:
 def calibrated_cluster(args, work, *, loopback: float, link: float, latency: float,
                        compute_s: float):
     """This machine as the cost model sees it; FLOP rate from the compute-only step."""
-    from dtrain import costmodel
+    from dtrain.planning import costmodel
 
     unit = costmodel.Cluster(num_nodes=2, gpus_per_node=PER_HOST, tflops_per_gpu=1.0,
                              intra_gbytes_per_s=1.0, inter_gbits_per_s=1.0, efficiency=1.0)
@@ -411,7 +411,7 @@ def calibrated_cluster(args, work, *, loopback: float, link: float, latency: flo
 
 
 def workload(args: argparse.Namespace, *, compute_bytes: int):
-    from dtrain import costmodel
+    from dtrain.planning import costmodel
 
     model = build_model(args.model)
     return costmodel.Workload(
@@ -422,7 +422,7 @@ def workload(args: argparse.Namespace, *, compute_bytes: int):
 
 
 def predicted_ratio(work, cluster, *, mics: int, zero3: int, accum: int) -> float:
-    from dtrain.costmodel import estimate_step
+    from dtrain.planning.costmodel import estimate_step
 
     a = estimate_step(work, cluster, sharding_degree=mics, accumulation=accum)
     b = estimate_step(work, cluster, sharding_degree=zero3, accumulation=accum)
@@ -433,8 +433,9 @@ def predicted_ratio(work, cluster, *, mics: int, zero3: int, accum: int) -> floa
 
 
 def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
-    from dtrain import instances, planner
-    from dtrain.costmodel import estimate_step
+    from dtrain.core import instances
+    from dtrain.planning import planner
+    from dtrain.planning.costmodel import estimate_step
 
     started = time.monotonic()
     launch = Launcher(args, job_dir)
@@ -536,7 +537,7 @@ def _torch_version() -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ratio", type=float, default=12.0, help="loopback bandwidth / link bandwidth")
-    p.add_argument("--model", default="gpt-neox-30m", help="a preset from dtrain.presets")
+    p.add_argument("--model", default="gpt-neox-30m", help="a preset from dtrain.core.presets")
     p.add_argument("--steps", type=int, default=1, help="measured optimizer steps per row")
     p.add_argument("--warmup", type=int, default=1,
                    help="unmeasured one-micro-batch steps first")

@@ -22,7 +22,7 @@ CHARTS = {"loss": REPO / "docs" / "img" / "local-cpu-loss.svg",
 
 def run_example(log_interval: int) -> str:
     """Submit the quickstart's job, wait for it, and return its id."""
-    command = [sys.executable, "-m", "dtrain.cli", "submit", EXAMPLE,
+    command = [sys.executable, "-m", "dtrain.cli.main", "submit", EXAMPLE,
                "--set", "hyperparameters.steps=40",
                "--set", f"hyperparameters.log_interval={log_interval}", "-o", "json"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, check=False)
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps between metric lines of the new run (more points)")
     args = parser.parse_args(argv)
 
-    from dtrain.report import write_report
+    from dtrain.jobs.report import write_report
 
     job = args.job or run_example(args.log_interval)
     for metric, path in CHARTS.items():

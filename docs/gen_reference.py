@@ -111,7 +111,7 @@ def _field_table(model: dict[str, Any], prefix: str, anchors: dict[str, str]) ->
 
 
 def render_spec_reference() -> str:
-    from dtrain.spec import JobSpec
+    from dtrain.spec.model import JobSpec
 
     schema = JobSpec.model_json_schema()
     order = _model_order(schema)
@@ -174,7 +174,7 @@ def _command_section(command: click.Command, ctx: click.Context) -> list[str]:
 
 
 def render_cli_reference() -> str:
-    from dtrain.cli import cli
+    from dtrain.cli.main import cli
 
     root = click.Context(cli, info_name="dtrain")
     out = [HEADER, "", "# CLI reference", "",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import IO, Any
 
-from dtrain.errors import DtrainError
+from dtrain.core.errors import DtrainError
 
 # Codes that mean "your request or account is wrong", shown as one line without a traceback.
 USER_ERROR_CODES = {

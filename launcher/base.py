@@ -20,16 +20,16 @@ from dataclasses import dataclass
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from dtrain.errors import DtrainError
-from dtrain.store import JobRecord, JobStore
+from dtrain.core.errors import DtrainError
+from dtrain.jobs.store import JobRecord, JobStore
 
 if TYPE_CHECKING:
-    from dtrain.planner import Plan
+    from dtrain.planning.planner import Plan
 
 BACKENDS = {
-    "local": "dtrain.launcher.local:LocalLauncher",
-    "sagemaker": "dtrain.launcher.sagemaker:SageMakerLauncher",
-    "ec2": "dtrain.launcher.ec2:Ec2Launcher",
+    "local": "dtrain.launcher.local.launcher:LocalLauncher",
+    "sagemaker": "dtrain.launcher.sagemaker.launcher:SageMakerLauncher",
+    "ec2": "dtrain.launcher.ec2.launcher:Ec2Launcher",
 }
 
 
@@ -82,7 +82,7 @@ class Launcher(ABC):
 def runtime_settings(plan: Plan, *, job_name: str, instance_type: str,
                      processes_per_host: int | None, source_dir: str | None = None):
     """The reserved ``dtrain_*`` settings every backend writes into the container contract."""
-    from dtrain import contract
+    from dtrain.core import contract
 
     spec = plan.spec
     return contract.Settings(

@@ -26,7 +26,7 @@ from importlib import util as import_util
 from pathlib import Path
 from typing import IO, Any
 
-from dtrain.errors import DtrainError
+from dtrain.core.errors import DtrainError
 
 SOURCE_ARCHIVE = "sourcedir.tar.gz"
 IGNORE_FILES = (".dtrainignore", ".gitignore")

@@ -13,13 +13,13 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
-    "JobSpec": "dtrain.spec",
-    "SpecError": "dtrain.errors",
-    "DtrainError": "dtrain.errors",
-    "plan": "dtrain.planner",
-    "Plan": "dtrain.planner",
+    "JobSpec": "dtrain.spec.model",
+    "SpecError": "dtrain.core.errors",
+    "DtrainError": "dtrain.core.errors",
+    "plan": "dtrain.planning.planner",
+    "Plan": "dtrain.planning.planner",
     "Estimator": "dtrain.estimator",
-    "instances": "dtrain.instances",
+    "instances": "dtrain.core.instances",
 }
 
 # spelled out (not built from _LAZY) so linters and IDEs can read it; a unit test keeps the two

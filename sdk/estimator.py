@@ -4,7 +4,7 @@
                     instance_count=2, hyperparameters={"epochs": 1})
     est.fit({"train": "data/"})
 
-It builds the same ``JobSpec`` a YAML file would and calls ``dtrain.jobs.submit``; SMP-style
+It builds the same ``JobSpec`` a YAML file would and calls ``dtrain.jobs.api.submit``; SMP-style
 ``distribution`` dicts are translated by the spec, so SageMaker code ports by changing an import.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dtrain.store import JobRecord
+from dtrain.jobs.store import JobRecord
 
 LOCAL_INSTANCE_TYPES = ("local", "local_gpu")
 DEFAULT_CHANNEL = "training"  # the SageMaker SDK's channel name for a single input
@@ -54,7 +54,7 @@ class Estimator:
 
     def spec(self, inputs: str | dict[str, str] | None = None):
         """The validated JobSpec ``fit`` would submit (raises SpecError with every problem)."""
-        from dtrain.spec import JobSpec
+        from dtrain.spec.model import JobSpec
 
         data = {k: v for k, v in self.spec_data.items() if v is not None}
         if inputs:
@@ -64,7 +64,7 @@ class Estimator:
     @classmethod
     def attach(cls, job: str, *, clients: dict[str, Any] | None = None) -> Estimator:
         """An Estimator for a job already submitted (id, id prefix or name), from the store."""
-        from dtrain import jobs
+        from dtrain.jobs import api as jobs
 
         record = jobs.get(job, clients=clients)
         spec = record.spec or {}
@@ -76,8 +76,8 @@ class Estimator:
     @property
     def model_data(self) -> str | None:
         """Where the finished job's model artifacts are (S3 URI or local folder)."""
-        from dtrain import jobs
-        from dtrain.errors import DtrainError
+        from dtrain.core.errors import DtrainError
+        from dtrain.jobs import api as jobs
 
         if self.latest_job is None:
             raise DtrainError("model_data: this estimator has no job yet; call fit() or attach()")
@@ -89,7 +89,7 @@ class Estimator:
             follow: bool = False) -> JobRecord:
         """Submit the job; with ``wait`` return once it ended (check ``.status``) and its
         target removed what it created for it (EC2: its groups, at most 5 min more)."""
-        from dtrain import jobs
+        from dtrain.jobs import api as jobs
 
         self.latest_job = jobs.submit(self.spec(inputs), wait=wait, follow=follow,
                                       clients=self.clients,

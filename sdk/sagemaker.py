@@ -2,7 +2,7 @@
 
 Estimator code written for the SageMaker SDK v2 ``PyTorch`` class runs after changing only its
 import line: the constructor arguments that matter become a ``JobSpec`` (SMP distribution dicts
-are translated by ``dtrain.spec_smp``), and ``fit`` submits it with dtrain's SageMaker launcher,
+are translated by ``dtrain.spec.smp``), and ``fit`` submits it with dtrain's SageMaker launcher,
 so the job runs dtrain's node agent with the same container contract as every other target.
 
 ``to_model_trainer(spec)`` goes the other way, to the official SDK's ``ModelTrainer`` (needs the
@@ -17,7 +17,7 @@ import sys
 import warnings
 from typing import Any
 
-from dtrain.errors import DtrainError
+from dtrain.core.errors import DtrainError
 
 # Arguments the SageMaker SDK accepts that have no meaning for dtrain; accepted and ignored.
 _IGNORED = ("sagemaker_session", "checkpoint_local_path", "debugger_hook_config",
@@ -109,7 +109,7 @@ class PyTorch:
         return data
 
     def to_spec(self, inputs: Any = None):
-        from dtrain.spec import JobSpec
+        from dtrain.spec.model import JobSpec
 
         data = self.to_spec_dict(inputs)
         if data["output_path"] is None:
@@ -118,7 +118,7 @@ class PyTorch:
 
     def _launcher_obj(self):
         if self._launcher is None:
-            from dtrain.launcher.sagemaker import SageMakerLauncher
+            from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
 
             self._launcher = SageMakerLauncher()
         return self._launcher
@@ -128,8 +128,8 @@ class PyTorch:
     def fit(self, inputs: Any = None, wait: bool = True, logs: Any = "All",
             job_name: str | None = None) -> None:
         """Submit the job; with ``wait``, stream its logs (``logs``) until it ends."""
-        from dtrain.planner import plan
-        from dtrain.store import JobStore
+        from dtrain.jobs.store import JobStore
+        from dtrain.planning.planner import plan
 
         launcher = self._launcher_obj()
         with warnings.catch_warnings():
@@ -159,7 +159,7 @@ class PyTorch:
     @classmethod
     def attach(cls, training_job_name: str, *, launcher: Any = None) -> PyTorch:
         """An estimator for an existing job (as ``sagemaker.estimator.Estimator.attach``)."""
-        from dtrain.launcher.sagemaker import SageMakerLauncher
+        from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
 
         launcher = launcher or SageMakerLauncher()
         job = launcher.describe(training_job_name)
@@ -226,8 +226,8 @@ def to_model_trainer(spec: Any) -> Any:
     except ImportError:
         raise DtrainError("to_model_trainer needs the SageMaker SDK v3; "
                           "pip install 'dtrain[sagemaker]'") from None
-    from dtrain.launcher.sagemaker import SageMakerLauncher
-    from dtrain.planner import plan
+    from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
+    from dtrain.planning.planner import plan
 
     p = plan(spec)
     request = SageMakerLauncher().build_request(p)

@@ -20,18 +20,18 @@ from typing import Any
 
 # public name -> module that defines it (imported on first access)
 _LAZY = {
-    "init": "dtrain.runtime.context",
-    "RuntimeContext": "dtrain.runtime.context",
-    "DistributionConfig": "dtrain.runtime.config",
-    "shard": "dtrain.runtime.sharding",
-    "MicroStep": "dtrain.runtime.accumulation",
-    "CommStats": "dtrain.runtime.comm_stats",
-    "HierarchicalAllGather": "dtrain.runtime.collectives",
-    "hierarchical_all_gather": "dtrain.runtime.collectives",
-    "Trainer": "dtrain.runtime.trainer",
-    "TrainerConfig": "dtrain.runtime.trainer",
-    "TokenDataset": "dtrain.runtime.data",
-    "DistributedTokenLoader": "dtrain.runtime.data",
+    "init": "dtrain.runtime.distributed.context",
+    "RuntimeContext": "dtrain.runtime.distributed.context",
+    "DistributionConfig": "dtrain.runtime.distributed.config",
+    "shard": "dtrain.runtime.distributed.sharding",
+    "MicroStep": "dtrain.runtime.distributed.accumulation",
+    "CommStats": "dtrain.runtime.distributed.comm_stats",
+    "HierarchicalAllGather": "dtrain.runtime.distributed.collectives",
+    "hierarchical_all_gather": "dtrain.runtime.distributed.collectives",
+    "Trainer": "dtrain.runtime.train.trainer",
+    "TrainerConfig": "dtrain.runtime.train.trainer",
+    "TokenDataset": "dtrain.runtime.train.data",
+    "DistributedTokenLoader": "dtrain.runtime.train.data",
 }
 
 __all__ = list(_LAZY)

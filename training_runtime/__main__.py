@@ -21,9 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=int(os.environ.get("SM_LOG_LEVEL", logging.INFO)),
                         format="%(asctime)s dtrain-agent %(levelname)s %(message)s")
-    from dtrain.runtime import agent  # torch is imported only once arguments are valid
+    from dtrain.runtime.agent import node  # torch is imported only once arguments are valid
 
-    return agent.run(args.root, grace_period_s=args.grace_period)
+    return node.run(args.root, grace_period_s=args.grace_period)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 import argparse
 import os
 
-from dtrain.metrics_format import format_metrics
+from dtrain.core.metrics_format import format_metrics
 
 
 def main() -> None:

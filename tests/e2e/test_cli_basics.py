@@ -15,7 +15,7 @@ EXAMPLE = "entry_point: recipe:causal_lm\nhyperparameters: {model: pythia-70m}\n
 
 def dtrain(*args: str, cwd=None) -> subprocess.CompletedProcess:
     # check=False: the exit code is what these tests assert on
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
                           text=True, cwd=cwd, timeout=60, check=False)
 
 
@@ -98,7 +98,7 @@ def test_expensive_ec2_launch_needs_yes_and_launches_nothing_without_it(tmp_path
     # no AWS call may happen before the answer: the endpoint is a closed local port
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli", "submit", spec], input="",
+    result = subprocess.run([sys.executable, "-m", "dtrain.cli.main", "submit", spec], input="",
                             capture_output=True, text=True, timeout=60, env=env, check=False)
     assert result.returncode == 1, result.stderr
     assert "not launched" in result.stderr and "pass --yes" in result.stderr

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def dtrain(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
                             text=True, timeout=timeout, env=dict(os.environ), check=False)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr

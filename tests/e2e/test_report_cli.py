@@ -8,11 +8,11 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
-from dtrain.store import COMPLETED, RUNNING, JobStore
+from dtrain.jobs.store import COMPLETED, RUNNING, JobStore
 
 
 def dtrain(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
                           text=True, cwd=cwd, timeout=60, check=False)
 
 

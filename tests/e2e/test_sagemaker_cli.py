@@ -1,6 +1,6 @@
 """`dtrain` as a user runs it, against a moto server: submit, status, logs, dry run, bad input.
 
-Every command is a real ``python -m dtrain.cli`` subprocess that reaches moto only through
+Every command is a real ``python -m dtrain.cli.main`` subprocess that reaches moto only through
 ``AWS_ENDPOINT_URL`` (set by the ``moto_aws`` fixture), as a CI job would.
 """
 
@@ -25,7 +25,7 @@ BUCKET = "dtrain-e2e"
 
 
 def dtrain(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "dtrain.cli", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ), check=False)
     if check:
         assert done.returncode == 0, done.stderr

@@ -2,7 +2,7 @@
 
 IMDS is stood in for by the Node facts (private IP, instance id), each node's contract root is
 a temp folder, and the node agent is a stub script that reads the contract with
-``dtrain.contract.read_contract`` (exactly what ``python -m dtrain.runtime`` does first) and
+``dtrain.core.contract.read_contract`` (exactly what ``python -m dtrain.runtime`` does first) and
 writes a model, output data and a rank log. The nodes start in reverse order to show the S3
 rendezvous does not depend on boot order.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import boto3
 import pytest
-from dtrain import contract
-from dtrain.launcher import ec2_bootstrap as boot
-from dtrain.launcher import ec2_requests as req
-from dtrain.planner import plan
-from dtrain.spec import JobSpec
+from dtrain.core import contract
+from dtrain.launcher.ec2 import requests as req
+from dtrain.launcher.ec2.node import bootstrap as boot
+from dtrain.planning.planner import plan
+from dtrain.spec.model import JobSpec
 from moto.server import ThreadedMotoServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ IPS = ["10.0.0.12", "10.0.0.7"]  # rank order; sorting would flip them
 
 STUB_AGENT = """
 import json, os, sys
-from dtrain import contract
+from dtrain.core import contract
 c = contract.read_contract(sys.argv[1])
 os.makedirs(c.paths.logs_dir, exist_ok=True)
 with open(os.path.join(c.paths.logs_dir, f"rank-{c.node_rank}.log"), "w") as f:
@@ -147,7 +147,7 @@ def test_a_failing_agent_is_reported_failed_in_the_status_objects(s3, tmp_path, 
     config = job_config("tok2")
     upload_artifacts(s3, config)
     assert run_two_nodes(s3, tmp_path, config, monkeypatch, exit_code=3) == [3, 3]
-    from dtrain.launcher.ec2_resources import job_state, read_status_objects
+    from dtrain.launcher.ec2.resources import job_state, read_status_objects
 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["failed", "failed"]
@@ -163,7 +163,7 @@ def test_an_interrupted_agent_stops_the_job_with_its_line_instead_of_failing_it(
                        "checkpoint because a host received SIGTERM; resubmit to resume from {s3}")
     # 143: the node was SIGTERMed, or its workers stopped after a checkpoint because one was.
     assert run_two_nodes(s3, tmp_path, config, monkeypatch, exit_code=143) == [143, 143]
-    from dtrain.launcher.ec2_resources import job_state, read_status_objects
+    from dtrain.launcher.ec2.resources import job_state, read_status_objects
 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["stopped", "stopped"]
@@ -181,7 +181,7 @@ def test_max_run_stops_the_job_with_the_agents_line_as_on_the_other_targets(
     monkeypatch.setenv("STUB_FAILURE", "max_run of 60 s reached on 10.0.0.12; workers were stopped")
     assert run_two_nodes(s3, tmp_path, config, monkeypatch,
                          exit_code=contract.MAX_RUN_EXIT_CODE) == [124, 124]
-    from dtrain.launcher.ec2_resources import job_state, read_status_objects
+    from dtrain.launcher.ec2.resources import job_state, read_status_objects
 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["stopped", "stopped"]

@@ -24,14 +24,14 @@ import boto3
 import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.stub import Stubber
-from dtrain.errors import DtrainError
-from dtrain.launcher import ec2_bootstrap as boot
-from dtrain.launcher import ec2_requests as req
-from dtrain.launcher import ec2_resources as res
-from dtrain.launcher.ec2 import Ec2Launcher
-from dtrain.planner import plan
-from dtrain.spec import JobSpec
-from dtrain.store import JobStore
+from dtrain.core.errors import DtrainError
+from dtrain.jobs.store import JobStore
+from dtrain.launcher.ec2 import requests as req
+from dtrain.launcher.ec2 import resources as res
+from dtrain.launcher.ec2.launcher import Ec2Launcher
+from dtrain.launcher.ec2.node import bootstrap as boot
+from dtrain.planning.planner import plan
+from dtrain.spec.model import JobSpec
 from moto import mock_aws
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -282,7 +282,7 @@ def plant_leftovers(aws, *, launched_at: str = "2020-01-01T00:00:00Z"):
 
 def test_gc_removes_planted_leftovers_and_nothing_untagged(aws):
     from click.testing import CliRunner
-    from dtrain.cli_ec2 import ec2 as ec2_group
+    from dtrain.cli.ec2 import ec2 as ec2_group
 
     planted = plant_leftovers(aws)
     launcher = launcher_for(aws, assume_yes=True)
@@ -437,8 +437,8 @@ def test_a_security_group_still_in_use_is_removed_by_the_next_status_call(aws):
 
 def test_a_group_in_use_for_an_hour_is_left_to_gc_which_removes_it_by_default(aws):
     from click.testing import CliRunner
-    from dtrain.cli_ec2 import ec2 as ec2_group
-    from dtrain.launcher.ec2 import CLEANUP_RETRY_S
+    from dtrain.cli.ec2 import ec2 as ec2_group
+    from dtrain.launcher.ec2.launcher import CLEANUP_RETRY_S
 
     now = {"t": 1_700_000_000.0}
     launcher = launcher_for(aws, assume_yes=True, clock=lambda: datetime.fromtimestamp(
@@ -460,7 +460,7 @@ def test_a_group_in_use_for_an_hour_is_left_to_gc_which_removes_it_by_default(aw
 
 def test_gc_keeps_a_finishing_cluster_whose_other_node_already_terminated(aws):
     from click.testing import CliRunner
-    from dtrain.cli_ec2 import ec2 as ec2_group
+    from dtrain.cli.ec2 import ec2 as ec2_group
 
     launcher = launcher_for(aws, assume_yes=True)
     record = launcher.submit(p4d_request(launcher, aws))
@@ -474,7 +474,7 @@ def test_gc_keeps_a_finishing_cluster_whose_other_node_already_terminated(aws):
 
 def test_dtrain_status_of_a_job_that_ended_removes_its_groups_and_says_so(aws):
     from click.testing import CliRunner
-    from dtrain.cli import cli
+    from dtrain.cli.main import cli
 
     launcher = launcher_for(aws, assume_yes=True)
     record = launcher.submit(p4d_request(launcher, aws))
@@ -489,7 +489,7 @@ def test_dtrain_status_of_a_job_that_ended_removes_its_groups_and_says_so(aws):
 # ---------------------------------------------------------------- waiting for a job to end
 
 def wait_clients(aws, out) -> dict:
-    """What ``dtrain.jobs`` passes to the EC2 launcher it builds: the test's moto clients."""
+    """What ``dtrain.jobs.api`` passes to the EC2 launcher it builds: the test's moto clients."""
     return {"ec2_client": aws["ec2"], "s3_client": aws["s3"], "region": REGION, "stream": out}
 
 
@@ -507,7 +507,7 @@ def on_describe_instances(client, *, at: int, do) -> list[int]:
 
 
 def test_waiting_goes_on_after_completed_until_the_nodes_terminated_and_the_groups_are_gone(aws):
-    from dtrain import jobs
+    from dtrain.jobs import api as jobs
 
     launcher = launcher_for(aws, assume_yes=True)
     record = launcher.submit(p4d_request(launcher, aws))
@@ -532,7 +532,7 @@ def test_waiting_goes_on_after_completed_until_the_nodes_terminated_and_the_grou
 
 
 def test_waiting_for_the_groups_is_bounded_and_a_completed_job_stays_completed(aws):
-    from dtrain import jobs
+    from dtrain.jobs import api as jobs
 
     launcher = launcher_for(aws, assume_yes=True)
     record = launcher.submit(p4d_request(launcher, aws))
@@ -555,7 +555,7 @@ def test_waiting_for_the_groups_is_bounded_and_a_completed_job_stays_completed(a
 
 
 def test_ctrl_c_while_waiting_for_the_groups_returns_the_ended_job_and_says_who_retries(aws):
-    from dtrain import jobs
+    from dtrain.jobs import api as jobs
 
     launcher = launcher_for(aws, assume_yes=True)
     record = launcher.submit(p4d_request(launcher, aws))
@@ -576,7 +576,7 @@ def test_ctrl_c_while_waiting_for_the_groups_returns_the_ended_job_and_says_who_
 
 
 def test_waiting_for_a_local_job_ends_with_the_job_there_is_nothing_to_remove(tmp_path):
-    from dtrain import jobs
+    from dtrain.jobs import api as jobs
 
     (tmp_path / "train.py").write_text("print('done')\n")
     spec = JobSpec.from_dict({"name": "local-wait", "entry_point": "train.py",

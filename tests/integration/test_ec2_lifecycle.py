@@ -18,12 +18,12 @@ from datetime import datetime, timezone
 import boto3
 import pytest
 import test_ec2_launch as ec2_test
-from dtrain.errors import DtrainError
-from dtrain.launcher import ec2_bootstrap as boot
-from dtrain.launcher import ec2_requests as req
-from dtrain.launcher import ec2_resources as res
-from dtrain.launcher.ec2 import Ec2Launcher
-from dtrain.store import JobStore
+from dtrain.core.errors import DtrainError
+from dtrain.jobs.store import JobStore
+from dtrain.launcher.ec2 import requests as req
+from dtrain.launcher.ec2 import resources as res
+from dtrain.launcher.ec2.launcher import Ec2Launcher
+from dtrain.launcher.ec2.node import bootstrap as boot
 from test_ec2_launch import (
     REGION,
     dtrain_groups,
@@ -165,7 +165,7 @@ def test_stop_of_a_job_that_already_failed_terminates_what_still_runs_and_keeps_
 
 def test_gc_removes_the_live_peer_and_groups_of_a_job_its_record_says_failed(aws):
     from click.testing import CliRunner
-    from dtrain.cli_ec2 import ec2 as ec2_group
+    from dtrain.cli.ec2 import ec2 as ec2_group
 
     launcher = launcher_for(aws, assume_yes=True)
     record = ended_with_a_live_peer(aws, launcher, failed_at=failed_long_ago())
@@ -180,7 +180,7 @@ def test_gc_removes_the_live_peer_and_groups_of_a_job_its_record_says_failed(aws
 
 def test_gc_leaves_a_failed_jobs_unreported_peer_alone_while_it_may_upload(aws):
     from click.testing import CliRunner
-    from dtrain.cli_ec2 import ec2 as ec2_group
+    from dtrain.cli.ec2 import ec2 as ec2_group
 
     launcher = launcher_for(aws, assume_yes=True)
     record = ended_with_a_live_peer(aws, launcher, failed_at=time.time() - 60)
@@ -198,7 +198,7 @@ def test_gc_leaves_a_failed_jobs_unreported_peer_alone_while_it_may_upload(aws):
 def test_gc_without_a_record_removes_a_cluster_whose_nodes_reported_a_failure(aws, monkeypatch,
                                                                             tmp_path):
     from click.testing import CliRunner
-    from dtrain.cli_ec2 import ec2 as ec2_group
+    from dtrain.cli.ec2 import ec2 as ec2_group
 
     launcher = launcher_for(aws, assume_yes=True)
     record = launcher.submit(p4d_request(launcher, aws))
@@ -219,7 +219,7 @@ def test_gc_without_a_record_removes_a_cluster_whose_nodes_reported_a_failure(aw
 @pytest.mark.parametrize("home", ["this machine", "another machine"])
 def test_gc_during_a_launch_leaves_its_groups_and_first_node_alone(aws, tmp_path, home):
     from click.testing import CliRunner
-    from dtrain.cli_ec2 import ec2 as ec2_group
+    from dtrain.cli.ec2 import ec2 as ec2_group
 
     launcher = launcher_for(aws, assume_yes=True)
     request = p4d_request(launcher, aws)
@@ -387,9 +387,9 @@ def test_each_resource_of_a_launch_carries_its_launch_time(aws):
 
 KILLED_LAUNCHER = """
 import pathlib, sys, time
-from dtrain.launcher.ec2 import Ec2Launcher
-from dtrain.planner import plan
-from dtrain.spec import JobSpec
+from dtrain.launcher.ec2.launcher import Ec2Launcher
+from dtrain.planning.planner import plan
+from dtrain.spec.model import JobSpec
 
 example, marker, job, *overrides = sys.argv[1:]
 launcher = Ec2Launcher(region="us-east-1", assume_yes=True)
@@ -437,7 +437,7 @@ def test_a_launcher_killed_before_its_nodes_were_launched_leaves_a_record_that_e
     import sys
     import time
 
-    from dtrain.launcher.ec2 import Ec2Launcher
+    from dtrain.launcher.ec2.launcher import Ec2Launcher
 
     ec2 = boto3.client("ec2", region_name=REGION)
     s3 = boto3.client("s3", region_name=REGION)

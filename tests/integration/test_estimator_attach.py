@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dtrain.errors import DtrainError
+from dtrain.core.errors import DtrainError
 from dtrain.estimator import Estimator
 
 SCRIPT = """import os, pathlib

@@ -1,4 +1,4 @@
-"""The local target end to end through ``dtrain.jobs``: real monitor, agents and workers."""
+"""The local target end to end through ``dtrain.jobs.api``: real monitor, agents and workers."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import boto3
 import pytest
 import yaml
-from dtrain import jobs
-from dtrain.spec import JobSpec
-from dtrain.store import JobStore
+from dtrain.jobs import api as jobs
+from dtrain.jobs.store import JobStore
+from dtrain.spec.model import JobSpec
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +103,7 @@ def test_s3_inputs_are_downloaded_into_every_host_channel(tmp_path, monkeypatch)
         s3.create_bucket(Bucket="data")
         s3.put_object(Bucket="data", Key="corpus/part-0.txt", Body=b"hello")
         s3.put_object(Bucket="data", Key="corpus/sub/part-1.txt", Body=b"world")
-        from dtrain.launcher.local import LocalLauncher
+        from dtrain.launcher.local.launcher import LocalLauncher
 
         staged = LocalLauncher(s3_client=s3)._stage_inputs(
             {"train": "s3://data/corpus"}, str(tmp_path / "job"))
@@ -164,11 +164,11 @@ SLOW_SAVE_TRAINER = """
     import os, sys, time
     import dtrain.runtime as rt
     import torch
-    from dtrain.runtime import trainer as t
-    from dtrain.runtime.data import DistributedTokenLoader
+    from dtrain.runtime.train import trainer as t
+    from dtrain.runtime.train.data import DistributedTokenLoader
     from dtrain.runtime.models import from_preset, hf_io
     from dtrain.runtime.recipes.causal_lm import next_token_loss
-    from dtrain.runtime.tokenize import encode_bytes
+    from dtrain.runtime.train.tokenize import encode_bytes
 
     seconds = float(sys.argv[sys.argv.index("--save_seconds") + 1])
     write_weights = hf_io.save_file

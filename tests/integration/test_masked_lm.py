@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from dtrain import jobs
-from dtrain.spec import JobSpec
+from dtrain.jobs import api as jobs
+from dtrain.spec.model import JobSpec
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def masked_lm_loss(model, tokens: torch.Tensor, mask_id: int, vocab_size: int) -
 def test_masked_lm_job_on_four_sharded_ranks_learns_and_writes_a_loadable_hf_model(tmp_path):
     from dtrain.runtime.models import from_preset
     from dtrain.runtime.models.hf_io import load_pretrained
-    from dtrain.runtime.tokenize import encode_bytes
+    from dtrain.runtime.train.tokenize import encode_bytes
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(Path(__file__).read_text() * 4)

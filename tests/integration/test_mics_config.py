@@ -12,9 +12,13 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.distributed as dist
-from dtrain.runtime.comm_stats import split_bytes
-from dtrain.runtime.config import DistributionConfig
-from dtrain.runtime.context import ProcessFacts, resolve_backend, validate_sharding_degree
+from dtrain.runtime.distributed.comm_stats import split_bytes
+from dtrain.runtime.distributed.config import DistributionConfig
+from dtrain.runtime.distributed.context import (
+    ProcessFacts,
+    resolve_backend,
+    validate_sharding_degree,
+)
 from torch import nn
 
 

@@ -140,7 +140,7 @@ def _run_config(rt, degree: int, accum: int, hier) -> dict:
 def _run_allgather_checks(rt) -> dict:
     """Flat vs hierarchical all-gather on a partition group of all 4 ranks (2 hosts)."""
     import torch.distributed as dist
-    from dtrain.runtime.collectives import hierarchical_all_gather
+    from dtrain.runtime.distributed.collectives import hierarchical_all_gather
 
     ctx = rt.init(distribution={"sharding_degree": 4, "hierarchical_allgather": True})
     groups, shard_group = ctx.hierarchy_groups(4), ctx.mesh["shard"].get_group()

@@ -23,10 +23,15 @@ from pathlib import Path
 
 import _workers as w
 import pytest
-from dtrain import contract as c
-from dtrain.metrics_format import parse_metrics
-from dtrain.runtime.checkpoint import COMPLETE, TRAINER_STATE, complete_checkpoints, step_dir_name
-from dtrain.runtime.trainer import PREEMPTED_EXIT_CODE
+from dtrain.core import contract as c
+from dtrain.core.metrics_format import parse_metrics
+from dtrain.runtime.train.checkpoint import (
+    COMPLETE,
+    TRAINER_STATE,
+    complete_checkpoints,
+    step_dir_name,
+)
+from dtrain.runtime.train.trainer import PREEMPTED_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import _workers as w
 import pytest
 import torch
-from dtrain.runtime.checkpoint import COMPLETE, latest_checkpoint
+from dtrain.runtime.train.checkpoint import COMPLETE, latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

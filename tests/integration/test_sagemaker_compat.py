@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dtrain.errors import DtrainError
+from dtrain.core.errors import DtrainError
 from dtrain.sagemaker import PyTorch, to_model_trainer
 from dtrain.testing import moto_aws  # noqa: F401
 
@@ -99,7 +99,7 @@ def test_to_model_trainer_with_the_sdk_matches_the_request(moto_aws, monkeypatch
     """Opt-in (``pytest -m sagemaker_sdk``): needs the `sagemaker` extra, which the dev install
     leaves out (SageMaker SDK v3 needs a newer boto3 than moto's pin and a large dependency set)."""
     monkeypatch.setenv("SAGEMAKER_VALIDATE_ROLE", "false")  # moto cannot simulate IAM policies
-    from dtrain.spec import JobSpec
+    from dtrain.spec.model import JobSpec
 
     spec = JobSpec.from_file(ROOT / "examples" / "sagemaker-p4d.yaml")
     trainer = to_model_trainer(spec)

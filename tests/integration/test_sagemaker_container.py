@@ -16,15 +16,15 @@ import venv
 from pathlib import Path
 
 import pytest
-from dtrain import contract
+from dtrain.core import contract
 from dtrain.launcher import packaging
-from dtrain.launcher.sagemaker import entry_script_text
+from dtrain.launcher.sagemaker.launcher import entry_script_text
 from dtrain.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = """\
 import sys
-from dtrain.metrics_format import format_metrics
+from dtrain.core.metrics_format import format_metrics
 print("args", sys.argv[1:], flush=True)
 print(format_metrics(1, loss=1.5), flush=True)
 """

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 from botocore.exceptions import ClientError
-from dtrain.errors import DtrainError
-from dtrain.launcher.sagemaker import SageMakerLauncher
-from dtrain.planner import plan
-from dtrain.spec import JobSpec
-from dtrain.store import JobStore
+from dtrain.core.errors import DtrainError
+from dtrain.jobs.store import JobStore
+from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
+from dtrain.planning.planner import plan
+from dtrain.spec.model import JobSpec
 from dtrain.testing import moto_aws  # noqa: F401  (the fixture under test)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sagemaker-p4d.yaml"
@@ -222,12 +222,12 @@ def test_runtime_wheel_installs_and_imports_the_contract(tmp_path):
 
     wheel = build_runtime_wheel(tmp_path / "w")
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"dtrain/contract.py", "dtrain/runtime/__main__.py",
-            "dtrain/launcher/sagemaker_entry.sh"} <= set(names)
+    assert {"dtrain/core/contract.py", "dtrain/runtime/__main__.py",
+            "dtrain/launcher/sagemaker/sagemaker_entry.sh"} <= set(names)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
                     "--target", str(target), str(wheel)], check=True)
-    out = subprocess.run([sys.executable, "-c", "import dtrain.contract as c; print(c.__file__)"],
+    out = subprocess.run([sys.executable, "-c", "import dtrain.core.contract as c; print(c.__file__)"],
                          env={"PYTHONPATH": str(target)}, capture_output=True, text=True,
                          check=True, cwd=tmp_path)
     assert out.stdout.startswith(str(target))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dtrain.metrics_format import parse_metrics
-from dtrain.runtime.checkpoint import latest_checkpoint
+from dtrain.core.metrics_format import parse_metrics
+from dtrain.runtime.train.checkpoint import latest_checkpoint
 
 CORPUS = Path(__file__).read_text() * 4
 COMMON = ["--micro_batch_size", "4", "--seq_len", "32", "--warmup_steps", "2"]
@@ -119,11 +119,11 @@ def test_masked_lm_trains_bert_tiny(job):
 
 def test_sigterm_checkpoints_at_the_next_step_and_the_next_run_resumes(job):
     import dtrain.runtime as rt
-    from dtrain.runtime.data import DistributedTokenLoader
     from dtrain.runtime.models import from_preset
     from dtrain.runtime.recipes.causal_lm import next_token_loss
-    from dtrain.runtime.tokenize import encode_bytes
-    from dtrain.runtime.trainer import Trainer, TrainerConfig
+    from dtrain.runtime.train.data import DistributedTokenLoader
+    from dtrain.runtime.train.tokenize import encode_bytes
+    from dtrain.runtime.train.trainer import Trainer, TrainerConfig
 
     calls = []
 
@@ -166,11 +166,11 @@ def _tiny_fit(steps: int, loss_fn=None):
     The process group is reused by later calls; the caller destroys it.
     """
     import dtrain.runtime as rt
-    from dtrain.runtime.data import DistributedTokenLoader
     from dtrain.runtime.models import from_preset
     from dtrain.runtime.recipes.causal_lm import next_token_loss
-    from dtrain.runtime.tokenize import encode_bytes
-    from dtrain.runtime.trainer import Trainer, TrainerConfig
+    from dtrain.runtime.train.data import DistributedTokenLoader
+    from dtrain.runtime.train.tokenize import encode_bytes
+    from dtrain.runtime.train.trainer import Trainer, TrainerConfig
 
     ctx = rt.init(distribution={"sharding_degree": 1})
     model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
@@ -180,8 +180,8 @@ def _tiny_fit(steps: int, loss_fn=None):
 
 
 def test_sigterm_during_the_final_model_save_lets_the_save_finish(job, monkeypatch):
-    from dtrain.runtime import trainer
     from dtrain.runtime.models.hf_io import load_pretrained
+    from dtrain.runtime.train import trainer
 
     save = trainer.save_hf_model
 
@@ -203,9 +203,9 @@ def test_sigterm_during_the_final_model_save_lets_the_save_finish(job, monkeypat
 
 
 def test_a_model_save_cut_off_half_way_leaves_the_previous_model_whole(job, monkeypatch):
-    from dtrain.runtime.checkpoint import hf_staging_dir, save_hf_model
     from dtrain.runtime.models import hf_io
     from dtrain.runtime.models.hf_io import load_pretrained
+    from dtrain.runtime.train.checkpoint import hf_staging_dir, save_hf_model
 
     def killed_half_way(tensors, path, **kwargs):
         Path(path).write_bytes(b"\0" * 64)  # a truncated weights file, then the process dies
@@ -235,9 +235,9 @@ def test_a_model_save_cut_off_half_way_leaves_the_previous_model_whole(job, monk
 
 
 def test_sigterm_in_the_last_step_checkpoints_it_and_the_resubmit_only_writes_the_model(job):
-    from dtrain.runtime.checkpoint import TRAINER_STATE
     from dtrain.runtime.models.hf_io import load_pretrained
     from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.train.checkpoint import TRAINER_STATE
 
     calls = []
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dtrain.runtime.checkpoint import COMPLETE, complete_checkpoints, latest_checkpoint
+from dtrain.runtime.train.checkpoint import COMPLETE, complete_checkpoints, latest_checkpoint
 
 
 def _folder(root, name, *, complete):
@@ -35,7 +35,7 @@ def test_no_checkpoint_folder_means_a_fresh_start(tmp_path):
 
 
 def test_the_final_model_is_staged_next_to_model_dir_never_inside_it(tmp_path):
-    from dtrain.runtime.checkpoint import hf_staging_dir
+    from dtrain.runtime.train.checkpoint import hf_staging_dir
 
     staging = hf_staging_dir(tmp_path / "model")
     assert staging == tmp_path / ".model.dtrain-partial"
@@ -43,7 +43,7 @@ def test_the_final_model_is_staged_next_to_model_dir_never_inside_it(tmp_path):
 
 
 def test_leftovers_of_a_killed_model_save_are_removed_and_the_model_is_kept(tmp_path):
-    from dtrain.runtime.checkpoint import hf_staging_dir, remove_partial_model_files
+    from dtrain.runtime.train.checkpoint import hf_staging_dir, remove_partial_model_files
 
     model = tmp_path / "model"
     model.mkdir()
@@ -57,7 +57,7 @@ def test_leftovers_of_a_killed_model_save_are_removed_and_the_model_is_kept(tmp_
 
 
 def test_where_the_parent_cannot_take_the_staging_folder_it_goes_inside_and_is_cleaned(tmp_path):
-    from dtrain.runtime.checkpoint import (
+    from dtrain.runtime.train.checkpoint import (
         _publish,
         hf_staging_dir,
         make_staging_dir,
@@ -86,7 +86,7 @@ def test_a_model_dir_on_another_mount_gets_each_file_copied_then_renamed(tmp_pat
     import errno
     import os
 
-    from dtrain.runtime.checkpoint import _publish
+    from dtrain.runtime.train.checkpoint import _publish
 
     staging, model = tmp_path / "staging", tmp_path / "model"
     staging.mkdir()

@@ -373,7 +373,7 @@ def test_entrypoint_help_describes_the_commands(ml_root):
 @pytest.mark.slow
 def test_entrypoint_runs_a_job_from_the_code_channel_with_the_real_node_agent(ml_root):
     """End to end without Docker: contract + sourcedir.tar.gz in, the script's model file out."""
-    from dtrain import contract
+    from dtrain.core import contract
 
     contract.write_host_contract(
         str(ml_root), current_host="algo-1", hosts=["algo-1"], channels=["code"],

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from dtrain import contract as c
+from dtrain.core import contract as c
 
 
 def write(tmp_path, **overrides):
@@ -123,7 +123,7 @@ def test_efa_variables_only_on_efa_instance_types():
 
 
 def test_contract_module_imports_only_the_standard_library():
-    code = ("import sys; import dtrain.contract; "
+    code = ("import sys; import dtrain.core.contract; "
             "bad = [m for m in ('torch', 'pydantic', 'boto3', 'yaml', 'click') if m in sys.modules];"
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

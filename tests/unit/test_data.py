@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from dtrain.runtime.data import DistributedTokenLoader, TokenDataset
-from dtrain.runtime.tokenize import BYTE_VOCAB_SIZE, build_channel, encode_bytes, main
+from dtrain.runtime.train.data import DistributedTokenLoader, TokenDataset
+from dtrain.runtime.train.tokenize import BYTE_VOCAB_SIZE, build_channel, encode_bytes, main
 
 
 def _dataset(n: int = 1000) -> TokenDataset:
@@ -99,7 +99,7 @@ def test_truncated_channel_is_rejected(tmp_path):
 
 
 def test_missing_channel_says_how_to_build_one(tmp_path):
-    with pytest.raises(ValueError, match="dtrain.runtime.tokenize"):
+    with pytest.raises(ValueError, match="dtrain.runtime.train.tokenize"):
         TokenDataset.open(tmp_path)
 
 

@@ -69,7 +69,7 @@ def test_quickstart_command_is_run_by_another_test_or_ci(command):
 
 def _dtrain() -> list[str]:
     script = shutil.which("dtrain")
-    return [script] if script else [sys.executable, "-m", "dtrain.cli"]
+    return [script] if script else [sys.executable, "-m", "dtrain.cli.main"]
 
 
 @pytest.mark.parametrize("command", [c for c in quickstart_commands() if c.startswith(RUN_HERE)])

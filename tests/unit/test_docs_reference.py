@@ -42,7 +42,7 @@ def _schema_fields(model: dict, defs: dict, prefix: str = "") -> list[str]:
 
 
 def test_spec_reference_lists_every_field_with_its_description(gen):
-    from dtrain.spec import JobSpec
+    from dtrain.spec.model import JobSpec
 
     schema = JobSpec.model_json_schema()
     page = gen.render_spec_reference()
@@ -58,7 +58,7 @@ def test_spec_reference_lists_every_field_with_its_description(gen):
 
 
 def test_cli_reference_documents_every_command_and_option(gen):
-    from dtrain.cli import cli
+    from dtrain.cli.main import cli
 
     page = gen.render_cli_reference()
 

@@ -70,15 +70,17 @@ def _module_file(module: str) -> Path | None:
 
 
 def _exists(dotted: str) -> bool:
-    """``dtrain.runtime.NAME`` (a lazy export) or ``dtrain.runtime.MODULE.NAME`` exists."""
+    """``dtrain.runtime.NAME`` (a lazy export) or ``dtrain.runtime.PACKAGE.MODULE[.NAME]``."""
     rest = dotted.removeprefix("dtrain.runtime.").split(".")
     lazy = _lazy_exports()
     if len(rest) == 1 and rest[0] in lazy:
         return rest[0] in _top_level_names(_module_file(lazy[rest[0]]))
-    module = _module_file("dtrain.runtime." + rest[0])
-    if module is None:
-        return False
-    return len(rest) == 1 or rest[1] in _top_level_names(module)
+    for split in range(len(rest), 0, -1):
+        module = _module_file("dtrain.runtime." + ".".join(rest[:split]))
+        if module is not None:
+            names = rest[split:]
+            return not names or (len(names) == 1 and names[0] in _top_level_names(module))
+    return False
 
 
 def test_runtime_api_page_names_only_what_exists_and_covers_the_public_api():

@@ -7,7 +7,7 @@ or a peer got SIGTERM and the workers stopped after a checkpoint), with the node
 
 from __future__ import annotations
 
-from dtrain.launcher.ec2_resources import FAILED_PEER_GRACE_S, job_state, peer_grace
+from dtrain.launcher.ec2.resources import FAILED_PEER_GRACE_S, job_state, peer_grace
 
 LINE = ("interrupted: training stopped at step 1200 after a checkpoint because a host received "
         "SIGTERM; resubmit to resume from s3://b/dtrain/job/checkpoints/step-001200")
@@ -94,6 +94,8 @@ def test_without_a_failure_report_nothing_is_spared():
 
 
 def test_the_grace_outlasts_the_runtimes_process_group_timeout_plus_an_upload():
-    from dtrain.runtime.context import DEFAULT_TIMEOUT_S  # imports torch: a dev dependency
+    from dtrain.runtime.distributed.context import (
+        DEFAULT_TIMEOUT_S,  # imports torch: a dev dependency
+    )
 
     assert FAILED_PEER_GRACE_S >= DEFAULT_TIMEOUT_S + 600

@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
-from dtrain.errors import SpecError
-from dtrain.launcher import ec2
-from dtrain.launcher import ec2_requests as req
-from dtrain.planner import plan
-from dtrain.spec import JobSpec
+from dtrain.core.errors import SpecError
+from dtrain.launcher.ec2 import launcher as ec2
+from dtrain.launcher.ec2 import requests as req
+from dtrain.planning.planner import plan
+from dtrain.spec.model import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ec2-p4d.yaml"

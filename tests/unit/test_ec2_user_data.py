@@ -13,9 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dtrain.launcher import ec2_requests as req
-from dtrain.planner import plan
-from dtrain.spec import JobSpec
+from dtrain.launcher.ec2 import requests as req
+from dtrain.planning.planner import plan
+from dtrain.spec.model import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_user_data_installs_runs_the_bootstrap_and_powers_off(tmp_path):
     assert calls[1].startswith("aws s3 cp --only-show-errors s3://dtrain-example-bucket/dtrain/"
                                f"job-1/source/{req.WHEEL_NAME} ")
     assert calls[2] == f"python -m pip install --quiet {work}/{req.WHEEL_NAME}"
-    assert calls[3] == (f"python -m dtrain.launcher.ec2_bootstrap --config {work}/job.json "
+    assert calls[3] == (f"python -m dtrain.launcher.ec2.node.bootstrap --config {work}/job.json "
                         f"--rank 1 --work-dir {work}")
     assert calls[-1] == "shutdown -h now dtrain: node finished"
     config = json.loads((work / "job.json").read_text())

@@ -3,9 +3,9 @@ describe calls are rate-limited per account."""
 
 from __future__ import annotations
 
-from dtrain import jobs
+from dtrain.jobs import api as jobs
+from dtrain.jobs.store import JobStore
 from dtrain.launcher.base import get_launcher
-from dtrain.store import JobStore
 
 
 class _TwoPolls:
@@ -40,8 +40,8 @@ def test_wait_for_sleeps_the_targets_interval_unless_told(monkeypatch, tmp_path)
 
 
 def test_cloud_targets_poll_in_seconds_and_local_in_half_seconds():
-    from dtrain.launcher.ec2 import Ec2Launcher
-    from dtrain.launcher.sagemaker import SageMakerLauncher
+    from dtrain.launcher.ec2.launcher import Ec2Launcher
+    from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
 
     assert get_launcher("local").poll_s == 0.5
     assert SageMakerLauncher.poll_s >= 5 and Ec2Launcher.poll_s >= 5

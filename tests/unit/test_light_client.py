@@ -22,17 +22,17 @@ def test_import_dtrain_loads_no_heavy_module():
 
 
 def test_cli_help_loads_no_heavy_module():
-    code = ("import sys\nfrom dtrain.cli import main\nsys.argv=['dtrain','--help']\n"
+    code = ("import sys\nfrom dtrain.cli.main import main\nsys.argv=['dtrain','--help']\n"
             "try:\n    main()\nexcept SystemExit:\n    pass")
     loaded = modules_after(code)
     assert not {m for m in loaded if m.split(".")[0] in HEAVY}
-    assert "dtrain.cli" in loaded
+    assert "dtrain.cli.main" in loaded
 
 
 def test_validate_and_plan_load_no_torch_or_sagemaker(tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text("entry_point: recipe:causal_lm\nhyperparameters: {model: pythia-70m}\n")
-    code = ("import sys\nfrom dtrain.cli import main\n"
+    code = ("import sys\nfrom dtrain.cli.main import main\n"
             f"for args in (['validate', {str(spec)!r}], ['plan', {str(spec)!r}]):\n"
             "    try:\n        main(args)\n    except SystemExit:\n        pass")
     loaded = modules_after(code)

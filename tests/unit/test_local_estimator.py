@@ -27,6 +27,6 @@ def test_cloud_instance_types_default_to_sagemaker(tmp_path):
 
 
 def test_client_side_job_modules_do_not_import_torch():
-    code = ("import sys, dtrain.cli, dtrain.jobs, dtrain.estimator, dtrain.launcher.local, "
-            "dtrain.launcher.local_monitor; sys.exit('torch' in sys.modules)")
+    code = ("import sys, dtrain.cli.main, dtrain.jobs.api, dtrain.estimator, dtrain.launcher.local.launcher, "
+            "dtrain.launcher.local.monitor; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
-from dtrain import instances
-from dtrain.metrics_format import parse_metrics
-from dtrain.runtime import metrics as m
+from dtrain.core import instances
+from dtrain.core.metrics_format import parse_metrics
 from dtrain.runtime.models import from_preset
-from dtrain.runtime.optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
-from dtrain.runtime.schedule import WarmupCosine
+from dtrain.runtime.train import metrics as m
+from dtrain.runtime.train.optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
+from dtrain.runtime.train.schedule import WarmupCosine
 from torch import nn
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from dtrain.presets import get_preset
+from dtrain.core.presets import get_preset
 from dtrain.runtime.models import attention as attn
 from dtrain.runtime.models import build_model
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dtrain.presets import get_preset
+from dtrain.core.presets import get_preset
 from dtrain.runtime.models.hf_io import load_pretrained, save_pretrained
 
 transformers = pytest.importorskip("transformers")  # imported once for the whole module

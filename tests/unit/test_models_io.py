@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 import torch
-from dtrain.presets import get_preset
+from dtrain.core.presets import get_preset
 from dtrain.runtime.models import build_model, from_preset, num_parameters
 from dtrain.runtime.models.common import _ACTIVATIONS
 from dtrain.runtime.models.hf_io import INDEX_NAME, WEIGHTS_NAME, load_pretrained, save_pretrained

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dtrain.presets import get_preset
+from dtrain.core.presets import get_preset
 from dtrain.runtime import models
 from dtrain.runtime.models import from_preset, model_class
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from dtrain import costmodel, partitioning
-from dtrain.planner import plan
-from dtrain.spec import JobSpec
+from dtrain.core import parallelism as partitioning
+from dtrain.planning import costmodel
+from dtrain.planning.planner import plan
+from dtrain.spec.model import JobSpec
 
 GB = 1e9
 

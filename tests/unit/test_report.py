@@ -9,9 +9,9 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from dtrain import report
-from dtrain.errors import DtrainError
-from dtrain.store import COMPLETED, JobStore
+from dtrain.core.errors import DtrainError
+from dtrain.jobs import report
+from dtrain.jobs.store import COMPLETED, JobStore
 
 SVG = "{http://www.w3.org/2000/svg}"
 SPEC = {"name": "tiny-lm", "compute": {"target": "local", "instance_type": "local",
@@ -172,7 +172,7 @@ def test_write_report_writes_html_or_one_svg_where_asked(tmp_path, monkeypatch):
 
 
 def test_report_module_loads_no_plotting_or_tensor_library():
-    probe = "import dtrain.report, json, sys; print(json.dumps(sorted(sys.modules)))"
+    probe = "import dtrain.jobs.report, json, sys; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True).stdout
     heavy = {m for m in json.loads(out) if m.split(".")[0] in

@@ -7,7 +7,7 @@ import tarfile
 import zipfile
 
 import pytest
-from dtrain.errors import DtrainError
+from dtrain.core.errors import DtrainError
 from dtrain.launcher import packaging
 
 
@@ -58,10 +58,10 @@ def test_runtime_wheel_is_reproducible_and_complete(tmp_path):
     second = packaging.build_runtime_wheel(tmp_path / "b").read_bytes()
     assert first == second
     names = zipfile.ZipFile(io.BytesIO(first)).namelist()
-    assert "dtrain/runtime/agent.py" in names and "dtrain/launcher/sagemaker_entry.sh" in names
+    assert "dtrain/runtime/agent/node.py" in names and "dtrain/launcher/sagemaker/sagemaker_entry.sh" in names
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
     record = zipfile.ZipFile(io.BytesIO(first)).read("dtrain-0.1.0.dist-info/RECORD").decode()
-    assert "dtrain/contract.py,sha256=" in record
+    assert "dtrain/core/contract.py,sha256=" in record
 
 
 class FakeS3:

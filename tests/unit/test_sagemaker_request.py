@@ -11,10 +11,10 @@ import os
 from pathlib import Path
 
 import pytest
-from dtrain.errors import DtrainError
-from dtrain.launcher.sagemaker import SageMakerLauncher
-from dtrain.planner import plan
-from dtrain.spec import JobSpec
+from dtrain.core.errors import DtrainError
+from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
+from dtrain.planning.planner import plan
+from dtrain.spec.model import JobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sagemaker-p4d.yaml"
@@ -185,12 +185,12 @@ def test_code_arrives_as_a_file_mode_channel_and_the_entry_script_starts_the_age
     assert code["DataSource"]["S3DataSource"]["S3Uri"].endswith(f"/dtrain/{JOB}/source/")
     entry = request["AlgorithmSpecification"]["ContainerEntrypoint"]
     assert entry[-1] == "/opt/ml/input/data/dtrain_code/sagemaker_entry.sh"
-    from dtrain.launcher.sagemaker import entry_script_text
+    from dtrain.launcher.sagemaker.launcher import entry_script_text
     assert "exec \"$PYTHON\" -m dtrain.runtime" in entry_script_text()
 
 
 def test_dtrain_settings_decode_with_the_container_contract():
-    from dtrain import contract
+    from dtrain.core import contract
 
     decoded = contract.decode_hyperparameters(build(example_spec())["HyperParameters"])
     settings = contract.Settings.from_hyperparameters(
@@ -204,7 +204,7 @@ def test_dtrain_settings_decode_with_the_container_contract():
 def test_metric_definitions_match_the_trainer_line():
     import re
 
-    from dtrain.metrics_format import format_metrics
+    from dtrain.core.metrics_format import format_metrics
 
     line = "2025-01-01 [algo-1 0]: " + format_metrics(12, loss=2.345, eval_loss=9.0, lr=3e-4,
                                                          mfu=0.48)
@@ -217,7 +217,7 @@ def test_metric_definitions_match_the_trainer_line():
 
 
 def test_missing_image_without_the_sagemaker_sdk_is_one_line_error(monkeypatch):
-    from dtrain.launcher import sagemaker
+    from dtrain.launcher.sagemaker import launcher as sagemaker
 
     monkeypatch.setattr(sagemaker, "_sdk_image_retrieve", lambda: None)
     with pytest.raises(DtrainError, match=r"set sagemaker.image_uri or pip install 'dtrain\[sage"):
@@ -235,7 +235,7 @@ def test_spot_with_warm_pool_is_rejected_before_any_call():
 
 
 def test_sagemaker_framework_keys_never_reach_the_user_script(tmp_path):
-    from dtrain import contract
+    from dtrain.core import contract
 
     config = tmp_path / "input" / "config"
     config.mkdir(parents=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import warnings
 
-from dtrain.errors import SpecError
-from dtrain.spec import JobSpec
+from dtrain.core.errors import SpecError
+from dtrain.spec.model import JobSpec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from dtrain.errors import SpecError, SpecWarning
-from dtrain.spec import JobSpec
+from dtrain.core.errors import SpecError, SpecWarning
+from dtrain.spec.model import JobSpec
 
 RECIPE = {"entry_point": "recipe:causal_lm"}
 ROLE = "arn:aws:iam::111122223333:role/dtrain-test"

@@ -6,8 +6,8 @@ import multiprocessing
 import os
 
 import pytest
-from dtrain.errors import DtrainError
-from dtrain.store import COMPLETED, FAILED, RUNNING, JobStore, default_db_path
+from dtrain.core.errors import DtrainError
+from dtrain.jobs.store import COMPLETED, FAILED, RUNNING, JobStore, default_db_path
 
 
 def test_database_lives_under_dtrain_home_unless_overridden(dtrain_home, monkeypatch, tmp_path):

@@ -1,7 +1,7 @@
 """Hugging Face-compatible transformer models. Nothing here imports torch.distributed.
 
 ``build_model(config)`` builds the family a HF ``config.json`` dict names (``model_type``);
-``from_preset(name)`` does the same for a shape in ``dtrain.presets``. Models are built on the
+``from_preset(name)`` does the same for a shape in ``dtrain.core.presets``. Models are built on the
 meta device and then materialised, so the flow the sharding code uses (meta build,
 ``to_empty``, ``init_weights``) is the only flow there is.
 """
@@ -12,7 +12,7 @@ from importlib import import_module
 from typing import Any
 
 import torch
-from dtrain.presets import get_preset
+from dtrain.core.presets import get_preset
 from dtrain.runtime.models.attention import ATTENTION_BACKENDS, check_backend, used_kernels
 from torch import nn
 
@@ -78,7 +78,7 @@ def from_preset(
     dtype: torch.dtype | None = None,
     **config_overrides: Any,
 ) -> nn.Module:
-    """Build the preset ``name`` (see ``dtrain.presets``), with config keys overridden."""
+    """Build the preset ``name`` (see ``dtrain.core.presets``), with config keys overridden."""
     config = {**get_preset(name), **config_overrides}
     return build_model(config, attention=attention, device=device, dtype=dtype)
 

@@ -9,7 +9,7 @@ or directly, one process, on a text file tokenized byte-level on the fly::
     python -m dtrain.runtime.recipes.causal_lm --model gpt-neox-tiny --data README.md \
         --steps 30 --micro_batch_size 4 --seq_len 64 --lr 3e-3 --warmup_steps 5 --log_interval 5
 
-``--model`` is a preset of ``dtrain.presets`` or a Hugging Face folder (fine-tuning); ``--data``
+``--model`` is a preset of ``dtrain.core.presets`` or a Hugging Face folder (fine-tuning); ``--data``
 a channel name (default ``train``), a token channel folder, a ``.bin`` or a text file. Metrics go
 to stdout, ``metrics.jsonl`` in SM_OUTPUT_DATA_DIR; checkpoints to DTRAIN_CHECKPOINT_DIR; the
 trained model to SM_MODEL_DIR as a Hugging Face folder.
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from dtrain.runtime.data import TokenBatch
 from dtrain.runtime.recipes.common import build_parser, parse_args, run_recipe
+from dtrain.runtime.train.data import TokenBatch
 from torch import nn
 
 

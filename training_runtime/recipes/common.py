@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dtrain import contract
-from dtrain.presets import count_parameters, get_preset
+from dtrain.core import contract
+from dtrain.core.presets import count_parameters, get_preset
+from dtrain.runtime.train import metrics
+from dtrain.runtime.train.data import TOKENS_FILE, DistributedTokenLoader, TokenDataset
+from dtrain.runtime.train.tokenize import encode_bytes, read_texts
+from dtrain.runtime.train.trainer import PREEMPTED_EXIT_CODE, Trainer, TrainerConfig
 from torch import nn
-
-from .. import metrics
-from ..data import TOKENS_FILE, DistributedTokenLoader, TokenDataset
-from ..tokenize import encode_bytes, read_texts
-from ..trainer import PREEMPTED_EXIT_CODE, Trainer, TrainerConfig
 
 CHECKPOINT_INTERVAL_ENV = "DTRAIN_CHECKPOINT_INTERVAL_STEPS"
 # Models up to this size are initialised whole on the CPU before sharding, so the weights do
@@ -42,7 +41,7 @@ def parse_bool(value: str | bool) -> bool:
 
 def build_parser(prog: str, description: str, *, model: str, lr: float) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--model", default=model, help="preset name (dtrain.presets) or HF folder")
+    p.add_argument("--model", default=model, help="preset name (dtrain.core.presets) or HF folder")
     p.add_argument("--data", default="train",
                    help="channel name, a token channel folder, a .bin file or a text file")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
@@ -111,7 +110,7 @@ def load_dataset(data: str, ctx: Any) -> TokenDataset:
     texts = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
     if not texts:
         raise ValueError(f"data {data!r} ({path}) has no {TOKENS_FILE} and no text files; "
-                         "add files or tokenize them with `python -m dtrain.runtime.tokenize`")
+                         "add files or tokenize them with `python -m dtrain.runtime.train.tokenize`")
     return encode_bytes(read_texts(texts))
 
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dtrain.runtime.data import TokenBatch, TokenDataset
 from dtrain.runtime.recipes.common import build_parser, parse_args, run_recipe
+from dtrain.runtime.train.data import TokenBatch, TokenDataset
 from torch import nn
 
 IGNORE_INDEX = -100
@@ -46,7 +46,7 @@ def masked_lm_loss(args: argparse.Namespace, dataset: TokenDataset) -> Callable[
     mask_id = dataset.special_tokens.get("<mask>")
     if mask_id is None:
         raise ValueError("the data's tokenizer has no <mask> token; tokenize it with "
-                         "`python -m dtrain.runtime.tokenize` (byte or bpe both add one)")
+                         "`python -m dtrain.runtime.train.tokenize` (byte or bpe both add one)")
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def loss_fn(model: nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, int]:

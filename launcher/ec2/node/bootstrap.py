@@ -1,0 +1,283 @@
+"""The Python half of an EC2 node's bootstrap (``ec2_bootstrap.sh`` installs dtrain, then runs it).
+
+``python -m dtrain.launcher.ec2.node.bootstrap --config job.json --rank N``:
+
+1. rendezvous through S3: every node writes ``{prefix}/rendezvous/{token}/{rank}.json`` with its
+   private IP and waits until all ``num_nodes`` objects exist, so nodes may boot in any order and
+   the host list is the launch order (rank 0 first);
+2. downloads the job's source archive and input channels, writes the container contract
+   (``dtrain.core.contract.write_host_contract``) under ``--root`` (``/opt/ml``);
+3. runs the node agent (``python -m dtrain.runtime``, or inside ``image_uri`` with docker),
+   uploading its logs every ``LOG_SYNC_S`` seconds for ``dtrain logs --follow``;
+4. uploads ``model/`` and ``checkpoints/`` (merged across hosts), ``output/`` per host, and writes
+   ``{prefix}/status/{host}.json`` at each step; the shell half then powers the node off.
+
+Instance facts come from IMDSv2 unless given as arguments (the tests stand in for IMDS that way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from dtrain.core import contract
+
+IMDS = "http://169.254.169.254/latest"
+LOG_SYNC_S = 30
+RENDEZVOUS_TIMEOUT_S = 1800
+RENDEZVOUS_POLL_S = 5
+
+
+@dataclass(frozen=True)
+class Node:
+    rank: int
+    private_ip: str
+    instance_id: str
+    root: str
+    work_dir: str
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def imds(path: str) -> str:
+    """One IMDSv2 value (token first: the instances require it)."""
+    put = urllib.request.Request(f"{IMDS}/api/token", method="PUT",
+                                 headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
+    token = urllib.request.urlopen(put, timeout=2).read().decode()
+    get = urllib.request.Request(f"{IMDS}/meta-data/{path}",
+                                 headers={"X-aws-ec2-metadata-token": token})
+    return urllib.request.urlopen(get, timeout=2).read().decode()
+
+
+def default_interface() -> str:
+    """The interface of the default route (``ens32`` on p4d, not ``eth0``); NCCL binds to it."""
+    try:
+        with open("/proc/net/route") as fh:
+            for line in fh.readlines()[1:]:
+                fields = line.split()
+                if len(fields) > 1 and fields[1] == "00000000":
+                    return fields[0]
+    except OSError:
+        pass
+    return "eth0"
+
+
+# ---------------------------------------------------------------- S3 helpers
+
+def put_json(s3, uri: str, body: dict) -> None:
+    bucket, key = split_s3(uri)
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(body, sort_keys=True).encode(),
+                  ContentType="application/json")
+
+
+def list_keys(s3, uri: str) -> list[str]:
+    bucket, prefix = split_s3(uri)
+    keys: list[str] = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys += [item["Key"] for item in page.get("Contents", [])]
+    return keys
+
+
+def download_prefix(s3, uri: str, folder: str) -> None:
+    bucket, prefix = split_s3(uri.rstrip("/") + "/")
+    for key in list_keys(s3, f"s3://{bucket}/{prefix}"):
+        target = os.path.join(folder, key[len(prefix):])
+        if key.endswith("/"):
+            continue
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        s3.download_file(bucket, key, target)
+
+
+def upload_dir(s3, folder: str, uri: str) -> int:
+    bucket, prefix = split_s3(uri.rstrip("/") + "/")
+    count = 0
+    for base, _dirs, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(base, name)
+            s3.upload_file(path, bucket, prefix + os.path.relpath(path, folder).replace(os.sep, "/"))
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------- steps
+
+def write_status(s3, config: dict, node: Node, state: str, **extra: Any) -> None:
+    put_json(s3, f"{config['prefix']}/status/{node.private_ip}.json", {
+        "host": node.private_ip, "rank": node.rank, "instance_id": node.instance_id,
+        "state": state, "updated": time.time(), **extra,
+    })
+
+
+def rendezvous(s3, config: dict, node: Node, *, timeout_s: float, poll_s: float) -> list[str]:
+    """Private IPs of every node in rank order, once all of them have checked in."""
+    folder = f"{config['prefix']}/rendezvous/{config['launch_token']}"
+    put_json(s3, f"{folder}/{node.rank}.json",
+             {"rank": node.rank, "ip": node.private_ip, "instance_id": node.instance_id})
+    deadline = time.monotonic() + timeout_s
+    want = config["num_nodes"]
+    while True:
+        keys = [k for k in list_keys(s3, folder + "/") if k.endswith(".json")]
+        if len(keys) >= want:
+            bucket, _ = split_s3(folder)
+            peers = [json.loads(s3.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in keys]
+            return [p["ip"] for p in sorted(peers, key=lambda p: p["rank"])][:want]
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rendezvous: {len(keys)} of {want} nodes checked in within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def checkpoint_uri(config: dict) -> str:
+    """Where the job's checkpoints live in S3: ``checkpoint.uri``, else ``{prefix}/checkpoints``.
+
+    One answer for the download before the agent starts, the upload at the end, and the
+    contract's ``S3Uri`` (which the runtime's interruption line tells the user to resume from).
+    """
+    return config.get("checkpoint_uri") or f"{config['prefix']}/checkpoints"
+
+
+def prepare_contract(s3, config: dict, node: Node, hosts: list[str]) -> contract.Paths:
+    paths = contract.Paths(os.path.abspath(node.root))
+    if config.get("source"):
+        archive = os.path.join(node.work_dir, "sourcedir.tar.gz")
+        bucket, key = split_s3(config["source"])
+        s3.download_file(bucket, key, archive)
+        os.makedirs(paths.code_dir, exist_ok=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(paths.code_dir, filter="data")
+    for channel, uri in config["channels"].items():
+        download_prefix(s3, uri, paths.channel_dir(channel))
+    download_prefix(s3, checkpoint_uri(config), paths.checkpoints_dir)  # resume, if any
+    settings = contract.Settings(**config["settings"])
+    return contract.write_host_contract(
+        node.root, current_host=node.private_ip, hosts=hosts, settings=settings,
+        hyperparameters=config["hyperparameters"], channels=list(config["channels"]),
+        checkpoint_s3_uri=checkpoint_uri(config),
+        network_interface_name=default_interface(),
+    )
+
+
+def agent_command(config: dict, node: Node) -> list[str]:
+    """The node agent on the AMI's Python, or in ``image_uri`` with the GPUs and EFA devices."""
+    if not config.get("image_uri"):
+        return [sys.executable, "-m", "dtrain.runtime", "--root", node.root]
+    env_flags = [f"--env={k}" for k in config.get("environment", {})]
+    return [
+        "docker", "run", "--rm", "--gpus", "all", "--network", "host", "--ipc", "host",
+        "--ulimit", "memlock=-1", "--device", "/dev/infiniband",
+        "-v", f"{node.root}:{node.root}", "-v", f"{node.work_dir}:/opt/dtrain:ro", *env_flags,
+        config["image_uri"], "bash", "-c",
+        # --no-deps: the image has the runtime's dependencies; the wheel adds only dtrain.
+        ("python -m pip install --quiet --no-deps /opt/dtrain/*.whl && "
+         f"exec python -m dtrain.runtime --root {node.root}"),
+    ]
+
+
+def run_agent(s3, config: dict, node: Node, paths: contract.Paths, command: list[str]) -> int:
+    env = {**os.environ, **config.get("environment", {})}
+    logs_uri = f"{config['prefix']}/logs/{node.private_ip}"
+    stop = threading.Event()
+
+    def sync_logs() -> None:
+        while not stop.wait(LOG_SYNC_S):
+            _quietly(upload_dir, s3, paths.logs_dir, logs_uri)
+
+    syncer = threading.Thread(target=sync_logs, daemon=True)
+    syncer.start()
+    try:
+        return subprocess.call(command, env=env)
+    finally:
+        stop.set()
+        syncer.join(timeout=5)
+
+
+def upload_results(s3, config: dict, node: Node, paths: contract.Paths) -> None:
+    prefix = config["prefix"]
+    upload_dir(s3, paths.model_dir, f"{prefix}/model")
+    upload_dir(s3, paths.output_dir, f"{prefix}/output/{node.private_ip}")
+    upload_dir(s3, paths.logs_dir, f"{prefix}/logs/{node.private_ip}")
+    upload_dir(s3, paths.checkpoints_dir, checkpoint_uri(config))
+    bootstrap_log = os.path.join(node.work_dir, "bootstrap.log")
+    if os.path.isfile(bootstrap_log):
+        bucket, key = split_s3(f"{prefix}/logs/{node.private_ip}/bootstrap.log")
+        s3.upload_file(bootstrap_log, bucket, key)
+
+
+def _quietly(func, *args) -> None:
+    try:
+        func(*args)
+    except Exception as exc:  # noqa: BLE001 - a failed upload must not kill the node's job
+        print(f"dtrain: {func.__name__} failed: {exc}", file=sys.stderr)
+
+
+def _failure_reason(paths: contract.Paths, code: int) -> str:
+    try:
+        with open(paths.failure_file) as fh:
+            return fh.readline().strip() or f"node agent exited with code {code}"
+    except OSError:
+        return f"node agent exited with code {code}"
+
+
+def run_node(s3, config: dict, node: Node, *, command: list[str] | None = None,
+             rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S,
+             poll_s: float = RENDEZVOUS_POLL_S) -> int:
+    """Every step of one node's life; returns the node agent's exit code (1 if it never ran)."""
+    paths = contract.Paths(os.path.abspath(node.root))
+    os.makedirs(node.work_dir, exist_ok=True)
+    write_status(s3, config, node, "starting")
+    code, reason = 1, ""
+    try:
+        hosts = rendezvous(s3, config, node, timeout_s=rendezvous_timeout_s, poll_s=poll_s)
+        paths = prepare_contract(s3, config, node, hosts)
+        write_status(s3, config, node, "running", hosts=hosts)
+        code = run_agent(s3, config, node, paths, command or agent_command(config, node))
+        reason = "" if code == 0 else _failure_reason(paths, code)
+    except Exception as exc:  # noqa: BLE001 - reported in the status object, then shutdown
+        reason = f"bootstrap failed on {node.private_ip}: {type(exc).__name__}: {exc}"
+        print(f"dtrain: {reason}", file=sys.stderr)
+    _quietly(upload_results, s3, config, node, paths)
+    # 143: this node was SIGTERMed, or its workers stopped after a checkpoint because another
+    # node was; 124: max_run was reached. Either way the job is stopped (resubmit to resume), not
+    # failed, as on SageMaker and the local target (docs/concepts/container-contract.md).
+    state = {0: "completed", contract.PREEMPTED_EXIT_CODE: "stopped",
+             contract.MAX_RUN_EXIT_CODE: "stopped"}.get(code, "failed")
+    write_status(s3, config, node, state, exit_code=code, reason=reason)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dtrain.launcher.ec2.node.bootstrap")
+    parser.add_argument("--config", required=True, help="job.json written by the user data")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--work-dir", default="/opt/dtrain")
+    parser.add_argument("--root", default=contract.DEFAULT_ROOT, help="contract root")
+    parser.add_argument("--private-ip", default=None, help="default: IMDS local-ipv4")
+    parser.add_argument("--instance-id", default=None, help="default: IMDS instance-id")
+    args = parser.parse_args(argv)
+    with open(args.config) as fh:
+        config = json.load(fh)
+    node = Node(rank=args.rank, private_ip=args.private_ip or imds("local-ipv4"),
+                instance_id=args.instance_id or imds("instance-id"), root=args.root,
+                work_dir=args.work_dir)
+    import boto3
+    from botocore.config import Config
+
+    s3 = boto3.client("s3", region_name=config.get("region"),
+                      config=Config(retries={"mode": "adaptive"}))
+    return run_node(s3, config, node)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

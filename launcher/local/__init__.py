@@ -1,0 +1,1 @@
+"""The local target: simulated hosts as processes on this machine."""

@@ -1,0 +1,160 @@
+"""``python -m dtrain.launcher.local.monitor JOB_DIR``: owns one local job until it ends.
+
+Started detached by ``LocalLauncher.submit``. Runs one node agent per simulated host, each in
+its own session so the whole tree can be signalled; stops the others when one host fails (as
+SageMaker does); on SIGTERM (``dtrain stop``) stops every agent within the grace period; and
+writes the final status, because it is the one process that sees every agent exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from dtrain.core import contract
+from dtrain.jobs.store import COMPLETED, FAILED, RUNNING, STARTING, STOPPED, JobStore
+from dtrain.launcher.local.launcher import REQUEST_FILE, agent_log, host_root, kill_process_groups
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_agents(request: dict, job_dir: str) -> list[subprocess.Popen]:
+    hosts = request["hosts"]
+    env = dict(os.environ, **request.get("environment", {}),
+               DTRAIN_MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
+    if len(hosts) > 1:
+        env[contract.MASTER_PORT_ENV] = str(free_port())
+    agents = []
+    for host in hosts:
+        with open(agent_log(job_dir, host), "ab") as log:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "dtrain.runtime", "--root", host_root(job_dir, host),
+                 "--grace-period", str(request["grace_period_s"])],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
+    return agents
+
+
+def wait_for_agents(agents: list[subprocess.Popen], timeout_s: float, *,
+                    stop_requested: list | tuple = ()) -> None:
+    """Until every agent has exited, ``timeout_s`` has passed or a stop is requested."""
+    deadline = time.monotonic() + timeout_s
+    while any(a.poll() is None for a in agents) and time.monotonic() < deadline \
+            and not stop_requested:
+        time.sleep(0.1)
+
+
+def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every agent (they forward it to workers), SIGKILL what is left after the grace."""
+    running = [a for a in agents if a.poll() is None]
+    kill_process_groups([a.pid for a in running], signal.SIGTERM)
+    wait_for_agents(running, grace_s + 5)  # the agents' own grace plus their shutdown
+    kill_process_groups([a.pid for a in agents], signal.SIGKILL)
+    for agent in agents:
+        agent.wait()
+
+
+def host_reports(request: dict, job_dir: str) -> list[tuple[dict, str]]:
+    """(failure.json, failure text) of every host that wrote them."""
+    found = []
+    for host in request["hosts"]:
+        paths = contract.Paths(host_root(job_dir, host))
+        try:
+            with open(paths.failure_details_file) as f:
+                details = json.load(f)
+            with open(paths.failure_file) as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if isinstance(details, dict):
+            found.append((details, text))
+    return found
+
+
+def root_cause(request: dict, job_dir: str) -> str:
+    """The earliest failure any host reported (other hosts usually fail as a consequence).
+
+    max_run comes first, then crashes, then interruptions (which a crash elsewhere can cause).
+    """
+    found = [({"max_run": 0, "interrupted": 2}.get(details.get("reason"), 1),
+              details.get("timestamp") or 0, text)
+             for details, text in host_reports(request, job_dir)]
+    return min(found)[2] if found else ""
+
+
+def final_state(request: dict, job_dir: str, codes: list[int], *,
+                stopped_by_user: bool) -> tuple[str, str | None]:
+    """(status, failure reason) from the agents' exit codes and reports.
+
+    Every agent exiting 0 is Completed even after a stop: the workers finished the job (a stop
+    during the final model save lets it finish). A stop that cut the final model save short says
+    so, since the model then has to come from the last checkpoint.
+    """
+    if all(code == 0 for code in codes):
+        return COMPLETED, None
+    if stopped_by_user:
+        notes = [d["model_note"] for d, _ in host_reports(request, job_dir) if d.get("model_note")]
+        return STOPPED, "stopped by user" + (f"; {notes[0]}" if notes else "")
+    reason = root_cause(request, job_dir) or f"node agent exit codes {codes}; see `dtrain logs`"
+    # max_run and SIGTERM (a spot notice, or the checkpointed stop that follows it) are stops to
+    # resume from, as on SageMaker; anything else is a failure.
+    stopped = contract.MAX_RUN_EXIT_CODE in codes or \
+        set(codes) <= {0, contract.PREEMPTED_EXIT_CODE}
+    return (STOPPED if stopped else FAILED), reason
+
+
+def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list) -> None:
+    job_id = request["job_id"]
+    store.update(job_id, status=STARTING, target_data={"monitor_pid": os.getpid()})
+    agents = start_agents(request, job_dir)
+    store.update(job_id, status=RUNNING, started_at=time.time(),
+                 target_data={"agent_pids": [a.pid for a in agents]})
+    grace = float(request["grace_period_s"])
+    while not stop_requested:
+        codes = [a.poll() for a in agents]
+        if all(code == 0 for code in codes):
+            store.update(job_id, status=COMPLETED)
+            return
+        if any(code not in (None, 0) for code in codes):
+            if set(codes) <= {None, 0, contract.PREEMPTED_EXIT_CODE}:
+                # Interrupted: the other hosts stop at the same step on their own, and say where
+                # (unless `dtrain stop` comes first); the secondary status says why it still
+                # runs, as on EC2.
+                store.update(job_id, target_data={"secondary_status": "Interrupted"})
+                wait_for_agents(agents, grace + 5, stop_requested=stop_requested)
+            break
+        time.sleep(0.2)
+    stop_agents(agents, grace)  # a stop, or one host failed (or still runs): the job is over
+    status, reason = final_state(request, job_dir, [a.returncode for a in agents],
+                                 stopped_by_user=bool(stop_requested))
+    store.update(job_id, status=status, failure_reason=reason)
+
+
+def main(argv: list[str] | None = None) -> int:
+    job_dir = (argv or sys.argv[1:])[0]
+    with open(os.path.join(job_dir, REQUEST_FILE)) as f:
+        request = json.load(f)
+    store = JobStore()
+    stop_requested: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the submitting shell is not a stop
+    try:
+        supervise(request, job_dir, store, stop_requested)
+    except BaseException as exc:
+        store.update(request["job_id"], status=FAILED,
+                     failure_reason=f"local job monitor failed: {type(exc).__name__}: {exc}")
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The SageMaker target: SageMaker training jobs."""

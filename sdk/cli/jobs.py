@@ -1,0 +1,236 @@
+"""``dtrain submit/list/status/logs/stop``: parse, call ``dtrain.jobs.api``, print. No logic here.
+
+``dtrain.cli.main`` registers ``COMMANDS`` on the main group.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from typing import Any
+
+import click
+from dtrain.cli.common import OUTPUT_OPTION, echo_json, load_spec, spec_options
+
+_RANK_ZERO = re.compile(r"^\[\S+ 0\]:")
+
+
+def _fmt_time(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def _duration(record: Any) -> str:
+    if not record.started_at:
+        return "-"
+    seconds = int((record.ended_at or time.time()) - record.started_at)
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _first_line(text: str | None) -> str:
+    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+
+
+def progress_line(metrics: dict[str, float]) -> str:
+    parts = [f"step {metrics['step']}"]
+    if "loss" in metrics:
+        parts.append(f"loss {metrics['loss']:.4f}")
+    if "tokens_per_s" in metrics:
+        parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
+    return " · ".join(parts)
+
+
+def _show_progress(job_id: str) -> None:
+    """One progress line from rank 0's metric lines, rewritten in place on a terminal."""
+    from dtrain.core.metrics_format import parse_metrics
+    from dtrain.jobs import api as jobs
+
+    tty = sys.stdout.isatty()
+    shown = False
+    for line in jobs.logs(job_id, follow=True, rank=0):
+        metrics = parse_metrics(line)
+        if metrics and "step" in metrics:
+            text = progress_line(metrics)
+            click.echo(f"\r\033[K{text}" if tty else text, nl=not tty)
+            shown = True
+    if shown and tty:
+        click.echo()
+
+
+def _finish(record: Any, output: str) -> None:
+    from dtrain.core.errors import DtrainError
+
+    if output == "json":
+        echo_json(record.to_dict())
+    else:
+        click.echo(f"{record.id} {record.name}: {record.status} after {_duration(record)}"
+                   f" · output {record.output_location or '-'}")
+    if record.status != "Completed":
+        raise DtrainError(f"job {record.id} {record.status}: "
+                          f"{_first_line(record.failure_reason) or 'see `dtrain logs ' + record.id + '`'}")
+
+
+def _dry_run(spec: Any, output: str) -> None:
+    """The resolved plan, then the exact request the target's backend would send."""
+    from dtrain.jobs import api as jobs
+    from dtrain.planning.planner import plan
+
+    resolved = plan(spec)
+    request = jobs.build_request(spec)
+    if output == "json":
+        echo_json({"plan": resolved.to_dict(), "request": request})
+        return
+    from dtrain.planning.report import render_plan
+
+    click.echo(render_plan(resolved))
+    click.echo(f"\nrequest ({spec.compute.target}):")
+    echo_json(request)
+
+
+def _submit_clients(spec: Any, yes: bool) -> dict[str, Any] | None:
+    """EC2 asks before an expensive launch; the answer comes from --yes or the terminal."""
+    if spec.compute.target != "ec2":
+        return None
+
+    def confirm(question: str) -> bool:
+        try:
+            return click.confirm(question, err=True)
+        except click.Abort:  # no terminal to answer from (CI): the same as "no"
+            click.echo(err=True)
+            return False
+
+    return {"assume_yes": yes, "confirm": confirm}
+
+
+def _print_transition(record: Any) -> None:
+    """Status changes while waiting; cloud targets also report a finer secondary status."""
+    secondary = (record.target_data or {}).get("secondary_status")
+    if record.target != "local" and not record.is_final:
+        click.echo(f"status: {record.status}" + (f" ({secondary})" if secondary else ""))
+
+
+@click.command()
+@spec_options
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait for the job to end (and exit 1 unless it completed); on EC2, then up "
+                   "to 5 min more until its nodes have terminated and its groups are removed.")
+@click.option("--follow", "-f", is_flag=True, help="Stream every log line while it runs.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and the request that would be sent; "
+              "run nothing.")
+@click.option("--yes", "-y", is_flag=True,
+              help="EC2: launch without asking, even when max_run could cost more than "
+                   "ec2.confirm_above_usd.")
+@OUTPUT_OPTION
+def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait: bool,
+           follow: bool, dry_run: bool, yes: bool, output: str) -> None:
+    """Run a job spec on its target (this machine by default)."""
+    from dtrain.jobs import api as jobs
+
+    spec = load_spec(spec_path, overrides, target)
+    if dry_run:
+        _dry_run(spec, output)
+        return
+    record = jobs.submit(spec, wait=False, clients=_submit_clients(spec, yes))
+    if output != "json":
+        click.echo(f"submitted {record.id} ({record.name}) · target {record.target} · "
+                   f"logs: dtrain logs {record.id}")
+    if follow:
+        for line in jobs.logs(record.id, follow=True):
+            click.echo(line)
+    elif wait and output != "json":
+        _show_progress(record.id)
+    if not (wait or follow):
+        if output == "json":
+            echo_json(record.to_dict())
+        return
+    _finish(jobs.wait_for(record.id, on_status=None if output == "json" else _print_transition),
+            output)
+
+
+@click.command("list")
+@click.option("--target", type=click.Choice(["local", "sagemaker", "ec2"]), default=None,
+              help="Only jobs of this target.")
+@click.option("--limit", type=int, default=50, show_default=True, help="Newest N jobs.")
+@OUTPUT_OPTION
+def list_command(target: str | None, limit: int, output: str) -> None:
+    """List recorded jobs, newest first."""
+    from dtrain.jobs import api as jobs
+
+    records = jobs.list_jobs(target=target, limit=limit)
+    if output == "json":
+        echo_json([r.to_dict() for r in records])
+        return
+    click.echo(f"{'ID':<12}  {'NAME':<24}  {'TARGET':<9}  {'STATUS':<9}  {'CREATED':<19}  TIME")
+    for r in records:
+        click.echo(f"{r.id:<12}  {r.name[:24]:<24}  {r.target:<9}  {r.status:<9}  "
+                   f"{_fmt_time(r.created_at):<19}  {_duration(r)}")
+
+
+@click.command()
+@click.argument("job")
+@OUTPUT_OPTION
+def status(job: str, output: str) -> None:
+    """Show a job's state (JOB: id, unique id prefix, or name for the latest)."""
+    from dtrain.jobs import api as jobs
+
+    record = jobs.get(job)
+    if output == "json":
+        echo_json(record.to_dict())
+        return
+    rows = [("id", record.id), ("name", record.name), ("target", record.target),
+            ("status", record.status), ("created", _fmt_time(record.created_at)),
+            ("started", _fmt_time(record.started_at)), ("ended", _fmt_time(record.ended_at)),
+            ("duration", _duration(record)), ("logs", record.log_location or "-"),
+            ("output", record.output_location or "-")]
+    for key, value in rows:
+        click.echo(f"{key:<9} {value}")
+    if record.failure_reason:
+        click.echo(f"{'reason':<9} {record.failure_reason.strip()}")
+
+
+@click.command()
+@click.argument("job")
+@click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
+@click.option("--host", default=None, help="Only this host (e.g. algo-2).")
+@click.option("--rank", type=int, default=None, help="Only this global rank.")
+def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
+    """Print a job's logs, every host and rank prefixed `[host rank]:`."""
+    from dtrain.jobs import api as jobs
+
+    for line in jobs.logs(job, follow=follow, host=host, rank=rank):
+        click.echo(line)
+
+
+@click.command()
+@click.argument("job")
+@click.option("--wait/--no-wait", default=False, show_default=True,
+              help="Wait until the job has stopped.")
+@OUTPUT_OPTION
+def stop(job: str, wait: bool, output: str) -> None:
+    """Stop a job: workers get SIGTERM, then SIGKILL after the grace period."""
+    from dtrain.jobs import api as jobs
+
+    record = jobs.stop(job, wait=wait)
+    if output == "json":
+        echo_json(record.to_dict())
+    else:
+        click.echo(f"{record.id} {record.name}: {record.status}")
+
+
+@click.command()
+@click.argument("job")
+@click.option("--file", "output_path", type=click.Path(dir_okay=False, writable=True),
+              default=None, help="File to write (default: JOB-report.html, or JOB-METRIC.svg).")
+@click.option("--format", "fmt", type=click.Choice(["html", "svg"]), default="html",
+              show_default=True, help="html: facts and every chart; svg: one chart.")
+@click.option("--metric", default=None,
+              help="svg: the metric to chart (default loss); html: an extra chart, "
+                   "e.g. grad_norm or lr.")
+def report(job: str, output_path: str | None, fmt: str, metric: str | None) -> None:
+    """Plot a job's loss, tokens/s and MFU against step into an HTML page or an SVG chart."""
+    from dtrain.jobs.report import write_report
+
+    click.echo(write_report(job, output=output_path, fmt=fmt, metric=metric))
+
+
+COMMANDS = [submit, list_command, status, logs, stop, report]

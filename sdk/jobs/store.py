@@ -1,0 +1,269 @@
+"""The job store: one SQLite file that records every job of every target.
+
+``dtrain list/status/logs/stop`` read it the same way for local, SageMaker and EC2 jobs. Many CLI
+processes and local monitors write it at once, so every call opens its own connection, uses WAL,
+a busy timeout, short ``BEGIN IMMEDIATE`` transactions and retries on ``database is locked``.
+Final states are sticky: an update never moves a job out of Completed/Failed/Stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dtrain.core.errors import DtrainError
+
+PENDING, STARTING, RUNNING = "Pending", "Starting", "Running"
+COMPLETED, FAILED, STOPPING, STOPPED = "Completed", "Failed", "Stopping", "Stopped"
+STATUSES = (PENDING, STARTING, RUNNING, COMPLETED, FAILED, STOPPING, STOPPED)
+FINAL_STATUSES = frozenset({COMPLETED, FAILED, STOPPED})
+
+_COLUMNS = ("id", "name", "target", "spec", "status", "created_at", "started_at", "ended_at",
+            "failure_reason", "log_location", "output_location", "target_data")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    target TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL,
+    failure_reason TEXT,
+    log_location TEXT,
+    output_location TEXT,
+    target_data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS jobs_name_created ON jobs (name, created_at);
+"""
+_RETRIES = 20
+
+
+def dtrain_home() -> str:
+    """``$DTRAIN_HOME`` or ``~/.dtrain``: the job store, local job folders."""
+    return os.environ.get("DTRAIN_HOME") or os.path.join(os.path.expanduser("~"), ".dtrain")
+
+
+def default_db_path() -> str:
+    return os.environ.get("DTRAIN_JOBS_DB") or os.path.join(dtrain_home(), "jobs.db")
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    name: str
+    target: str
+    spec: dict[str, Any]
+    status: str
+    created_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    failure_reason: str | None = None
+    log_location: str | None = None
+    output_location: str | None = None
+    target_data: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def _from_row(cls, row: sqlite3.Row) -> JobRecord:
+        values = dict(zip(_COLUMNS, row))
+        values["spec"] = json.loads(values["spec"])
+        values["target_data"] = json.loads(values["target_data"] or "{}")
+        return cls(**values)
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class JobStore:
+    """All reads and writes of job records. Safe to use from many processes at once."""
+
+    def __init__(self, path: str | None = None, *, timeout_s: float = 30.0):
+        self.path = os.path.abspath(path or default_db_path())
+        self._timeout_s = timeout_s
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._retry(self._create_schema)
+
+    # -------------------------------------------------------------- plumbing
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=self._timeout_s, isolation_level=None)
+        conn.execute(f"PRAGMA busy_timeout = {int(self._timeout_s * 1000)}")
+        return conn
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        conn = self._connect()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            yield conn
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        finally:
+            conn.close()
+
+    def _retry(self, fn, *args):
+        for attempt in range(_RETRIES):
+            try:
+                return fn(*args)
+            except sqlite3.OperationalError as exc:
+                busy = "locked" in str(exc) or "busy" in str(exc)
+                if not busy or attempt == _RETRIES - 1:
+                    raise DtrainError(
+                        f"job store {self.path}: {exc}; retry, or set DTRAIN_JOBS_DB to another file"
+                    ) from exc
+                time.sleep(min(0.05 * 2 ** attempt, 1.0) * random.uniform(0.5, 1.5))
+
+    def _create_schema(self) -> None:
+        conn = self._connect()
+        try:
+            # WAL lets readers run while a writer commits; the mode is stored in the file.
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+        finally:
+            conn.close()
+
+    def _query(self, sql: str, params: tuple = ()) -> list[JobRecord]:
+        def run() -> list[JobRecord]:
+            conn = self._connect()
+            try:
+                return [JobRecord._from_row(r) for r in conn.execute(sql, params).fetchall()]
+            finally:
+                conn.close()
+        return self._retry(run)
+
+    # -------------------------------------------------------------- writes
+
+    def create(self, *, name: str, target: str, spec: dict[str, Any], job_id: str | None = None,
+               status: str = PENDING, log_location: str | None = None,
+               output_location: str | None = None,
+               target_data: dict[str, Any] | None = None) -> JobRecord:
+        record = JobRecord(id=job_id or new_job_id(), name=name, target=target, spec=spec,
+                           status=status, created_at=time.time(), log_location=log_location,
+                           output_location=output_location, target_data=target_data or {})
+
+        def insert() -> None:
+            row = record.to_dict()
+            row["spec"] = json.dumps(row["spec"], default=str)
+            row["target_data"] = json.dumps(row["target_data"], default=str)
+            with self._write() as conn:
+                conn.execute(f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES "
+                             f"({','.join('?' * len(_COLUMNS))})", [row[c] for c in _COLUMNS])
+        self._retry(insert)
+        return record
+
+    def update(self, job_id: str, *, status: str | None = None,
+               target_data: dict[str, Any] | None = None, **fields: Any) -> JobRecord:
+        """Change fields of a job; ``target_data`` is merged. A final status never changes.
+
+        Returns the record as stored afterwards (check ``status`` to see whether you won a race).
+        """
+        unknown = set(fields) - set(_COLUMNS[5:11])
+        if unknown:
+            raise ValueError(f"cannot update {sorted(unknown)}; allowed: {list(_COLUMNS[5:11])}")
+        if status is not None and status not in STATUSES:
+            raise ValueError(f"status {status!r} is not one of {STATUSES}")
+
+        def apply() -> None:
+            with self._write() as conn:
+                row = conn.execute("SELECT status, target_data FROM jobs WHERE id = ?",
+                                   (job_id,)).fetchone()
+                if row is None:
+                    raise DtrainError(f"no job with id {job_id!r}; see `dtrain list`")
+                if row[0] in FINAL_STATUSES:
+                    return
+                values = dict(fields)
+                if status is not None:
+                    values["status"] = status
+                    if status in FINAL_STATUSES and "ended_at" not in values:
+                        values["ended_at"] = time.time()
+                if target_data:
+                    merged = {**json.loads(row[1] or "{}"), **target_data}
+                    values["target_data"] = json.dumps(merged, default=str)
+                if values:
+                    sets = ", ".join(f"{k} = ?" for k in values)
+                    conn.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
+        self._retry(apply)
+        return self.get(job_id)
+
+    def update_target_data(self, job_id: str, target_data: dict[str, Any]) -> JobRecord:
+        """Merge facts learnt after a job ended (e.g. the EC2 backend removing its groups).
+
+        Unlike ``update`` this also writes to a final job; status and every other field stay.
+        """
+        def apply() -> None:
+            with self._write() as conn:
+                row = conn.execute("SELECT target_data FROM jobs WHERE id = ?",
+                                   (job_id,)).fetchone()
+                if row is None:
+                    raise DtrainError(f"no job with id {job_id!r}; see `dtrain list`")
+                merged = {**json.loads(row[0] or "{}"), **target_data}
+                conn.execute("UPDATE jobs SET target_data = ? WHERE id = ?",
+                             (json.dumps(merged, default=str), job_id))
+        self._retry(apply)
+        return self.get(job_id)
+
+    # -------------------------------------------------------------- reads
+
+    def get(self, job_id: str) -> JobRecord:
+        rows = self._query(f"SELECT {','.join(_COLUMNS)} FROM jobs WHERE id = ?", (job_id,))
+        if not rows:
+            raise DtrainError(f"no job with id {job_id!r}; see `dtrain list`")
+        return rows[0]
+
+    def find(self, ref: str) -> JobRecord:
+        """A job by exact id, by name (the latest), or by a unique id prefix."""
+        cols = ",".join(_COLUMNS)
+        rows = self._query(f"SELECT {cols} FROM jobs WHERE id = ?", (ref,))
+        if not rows:
+            rows = self._query(f"SELECT {cols} FROM jobs WHERE name = ? "
+                               f"ORDER BY created_at DESC LIMIT 1", (ref,))
+        if not rows and ref:
+            pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            rows = self._query(f"SELECT {cols} FROM jobs WHERE id LIKE ? ESCAPE '\\'",
+                               (pattern,))
+            if len(rows) > 1:
+                ids = ", ".join(r.id for r in rows[:5])
+                raise DtrainError(f"job reference {ref!r} matches {len(rows)} jobs ({ids}); "
+                                  f"give more characters of the id")
+        if not rows:
+            raise DtrainError(f"no job with id, id prefix or name {ref!r}; see `dtrain list`")
+        return rows[0]
+
+    def list(self, *, target: str | None = None, status: str | None = None,
+             limit: int | None = None) -> list[JobRecord]:
+        """Newest first."""
+        where, params = [], []
+        if target:
+            where.append("target = ?")
+            params.append(target)
+        if status:
+            where.append("status = ?")
+            params.append(status)
+        sql = f"SELECT {','.join(_COLUMNS)} FROM jobs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, rowid DESC"
+        if limit:
+            sql += f" LIMIT {int(limit)}"
+        return self._query(sql, tuple(params))

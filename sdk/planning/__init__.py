@@ -1,0 +1,1 @@
+"""plan(spec): the parallelism plan, memory, traffic, step time and cost."""

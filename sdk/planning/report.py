@@ -1,0 +1,70 @@
+"""Human-readable rendering of a Plan (what `dtrain plan` and `submit --dry-run` print)."""
+
+from __future__ import annotations
+
+from dtrain.planning.planner import Plan
+
+
+def table(rows: list[list[str]], header: list[str] | None = None) -> str:
+    """A plain text table with aligned columns (no dependency, fast to import)."""
+    all_rows = ([header] if header else []) + rows
+    widths = [max(len(r[i]) for r in all_rows) for i in range(len(all_rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in all_rows]
+    if header:
+        lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _gb(value: float) -> str:
+    return f"{value / 1e9:,.2f} GB"
+
+
+def _money(value: float | None) -> str:
+    return "n/a" if value is None else f"${value:,.2f}"
+
+
+def render_plan(plan: Plan) -> str:
+    spec = plan.spec
+    degree = plan.sharding_degree
+    mesh = f"{plan.replicate_degree} × {degree}" if degree else "resolved at run time"
+    within = {None: "-", True: "yes", False: "no (spans nodes)"}[plan.group_within_node]
+    rows = [
+        ["job", f"{spec.name} ({spec.entry_point})"],
+        ["target", f"{spec.compute.target} · {plan.num_nodes} × {plan.instance.name}"],
+        ["world size", f"{plan.world_size} ({plan.num_nodes} nodes × {plan.processes_per_node})"],
+        ["mesh replicate × shard", mesh],
+        ["partition group in one node", within],
+        ["backend", (f"{plan.backend} (hierarchical all-gather: "
+                     f"{'on' if plan.hierarchical_allgather else 'off'})")],
+        ["mixed precision", plan.mixed_precision],
+        ["grad accumulation", str(spec.distribution.gradient_accumulation_steps)],
+    ]
+    if plan.model:
+        m = plan.model
+        rows.append(["model", (f"{m.source}: {m.num_parameters / 1e6:,.1f}M params, "
+                               f"seq {m.seq_len}, micro-batch {m.micro_batch_size}")])
+    if plan.memory:
+        mem = plan.memory
+        rows.append(["memory per device", f"{mem.total_gib:.1f} GiB = states "
+                     f"{mem.model_state_gib:.1f} + unsharded layers "
+                     f"{mem.unsharded_layers_gib:.1f} + activations {mem.activation_gib:.1f}"
+                     + (f" (of {mem.device_gib:.0f} GiB)" if mem.device_gib else "")])
+    rows += [
+        ["$/hour", (f"{_money(plan.cost_per_hour)} ({plan.num_nodes} × "
+                    f"{_money(plan.price_per_hour)}, prices of {plan.instance.price_date})")],
+        [f"$ for max_run ({spec.compute.max_run / 3600:g} h)", _money(plan.max_run_cost)],
+    ]
+    out = [table(rows)]
+    if plan.strategies:
+        out.append("\nper optimizer step, per device (latency–bandwidth model, see docs):")
+        out.append(table([_strategy_row(s, plan) for s in plan.strategies],
+                         ["strategy", "degree", "intra-node", "inter-node", "step", "tokens/s"]))
+    out += [f"note: {n}" for n in plan.notes]
+    return "\n".join(out)
+
+
+def _strategy_row(est, plan: Plan) -> list[str]:
+    name = est.strategy + (" hier." if est.hierarchical else "")
+    chosen = est is plan.chosen
+    return [name + (" *" if chosen else ""), str(est.sharding_degree), _gb(est.intra_bytes),
+            _gb(est.inter_bytes), f"{est.step_s:.3f} s", f"{est.tokens_per_s:,.0f}"]

@@ -1,0 +1,1 @@
+"""JobSpec: the declarative job description (pydantic), its rules and file I/O."""

@@ -1,0 +1,430 @@
+"""JobSpec: the declarative description of a training job (plain data, validated, no cloud I/O).
+
+A spec comes from YAML/JSON (``JobSpec.from_file``), from Python keyword arguments, or from a
+dict (``JobSpec.from_dict``); the CLI's ``--set key.path=value`` overrides apply before
+validation. Every rule that can be checked before a cloud call is checked here, and every
+problem is reported as ``field.path: what is wrong (the value); what to do``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from dtrain.core import instances
+from dtrain.core.errors import SpecError, SpecWarning
+from dtrain.spec.smp import translate_distribution
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+RECIPE_PREFIX = "recipe:"
+RESERVED_HP_PREFIXES = ("dtrain_", "sagemaker_")
+_S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?$")
+_JOB_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,39}$")
+_CHANNEL = re.compile(r"^[A-Za-z0-9.\-_]{1,64}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ROLE_ARN = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/[\w+=,.@\-/]{1,512}$")
+_CIDR = re.compile(r"^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})/(\d{1,2})$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def is_s3_uri(value: str) -> bool:
+    """True for anything meant as an S3 location (well-formed or not: ``check_s3_uri`` says)."""
+    return isinstance(value, str) and value[:3].lower() == "s3:"
+
+
+def check_s3_uri(value: str, field: str) -> str:
+    """Return ``value`` if it is a well-formed ``s3://bucket/key`` URI, else raise ValueError."""
+    if not _S3_URI.match(value) or "//" in value[5:] or ".." in value[5:].split("/")[0]:
+        raise ValueError(
+            f"{field}: {value!r} is not a valid S3 URI; write it as s3://bucket-name/prefix "
+            "(bucket names are 3-63 lowercase letters, digits, dots or hyphens)"
+        )
+    return value
+
+
+def _parse_duration(value: Any) -> Any:
+    """Seconds as an int, or a string like ``90m``, ``2h``, ``1.5d``."""
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if not match:
+            raise ValueError(f"{value!r} is not a duration; use seconds or e.g. '90m', '2h', '1d'")
+        return int(float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+    return value
+
+
+Seconds = Annotated[int, BeforeValidator(_parse_duration), Field(ge=1, le=28 * 86400)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class Compute(_Model):
+    """Where the job runs and on what."""
+
+    target: Literal["local", "sagemaker", "ec2"] = Field(
+        "local", description="Where the job runs: this machine, SageMaker training jobs, or EC2."
+    )
+    instance_type: str = Field(
+        "local",
+        description="Instance type from the catalog (`dtrain instances`), e.g. p4d.24xlarge or "
+        "ml.p4d.24xlarge; `local` (CPU processes) or `local_gpu` for this machine.",
+    )
+    instance_count: int = Field(1, ge=1, le=512, description="Number of instances (hosts).")
+    processes_per_instance: int | None = Field(
+        None, ge=1, le=64,
+        description="Worker processes per instance; default: one per GPU (1 on `local`).",
+    )
+    volume_size_gb: int = Field(100, ge=1, le=16384, description="Storage volume per instance, GB.")
+    use_spot: bool = Field(False, description="Use spot capacity (managed spot on SageMaker).")
+    max_run: Seconds = Field(
+        86400, description="Longest the job may run, seconds or e.g. '2h'; then it is stopped."
+    )
+    max_wait: Seconds | None = Field(
+        None, description="Spot only: longest to wait for capacity plus run time; >= max_run."
+    )
+    max_restarts: int = Field(
+        0, ge=0, le=100, description="How often the node agent restarts failed workers."
+    )
+    price_per_hour: float | None = Field(
+        None, gt=0, description="Override the catalog's $/hour for one instance (prices change)."
+    )
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known_instance_type(cls, value: str) -> str:
+        try:
+            return instances.get(value).name
+        except ValueError as exc:
+            raise ValueError(f"{exc}; run `dtrain instances` for the list") from None
+
+    @property
+    def instance(self) -> instances.InstanceType:
+        return instances.get(self.instance_type)
+
+    @property
+    def resolved_processes_per_instance(self) -> int:
+        if self.processes_per_instance is not None:
+            return self.processes_per_instance
+        return max(1, self.instance.gpus)
+
+    @property
+    def world_size(self) -> int:
+        return self.instance_count * self.resolved_processes_per_instance
+
+
+class Distribution(_Model):
+    """How the work is split across processes (MiCS sharded data parallelism)."""
+
+    sharding_degree: int | Literal["auto", "full"] = Field(
+        "auto",
+        description="Size of a MiCS partition group: 1 = plain data parallel (DDP), world size "
+        "or `full` = ZeRO-3 full shard, in between = MiCS; `auto` = the planner's "
+        "scale-aware choice.",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto",
+        description="`auto`: NCCL on GPUs plus dtrain's topology-aware collectives, gloo on "
+        "CPU; `nccl`: stock NCCL collectives only; `gloo`.",
+    )
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, le=1024, description="Micro-batches per optimizer step (2-hop gradient sync)."
+    )
+    mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto", description="Compute dtype; `auto` = bf16 where the GPU has it, fp16 on V100, "
+        "fp32 on CPU.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute block activations in backward to save memory."
+    )
+    hierarchical_allgather: Literal["auto"] | bool = Field(
+        "auto",
+        description="All-gather across nodes in two stages (inter-node, then intra-node) when a "
+        "partition group spans nodes; `auto` = on there with backend `auto`.",
+    )
+    attention: Literal["flash", "sdpa", "eager"] = Field(
+        "flash", description="Attention kernel for dtrain's models."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _translate_smp(cls, data: Any) -> Any:
+        translated, notes = translate_distribution(data)
+        for note in notes:
+            warnings.warn(note, SpecWarning, stacklevel=2)
+        return translated
+
+    @field_validator("sharding_degree")
+    @classmethod
+    def _positive_degree(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError(
+                f"got {value}; use 1 for plain data parallel, a divisor of the world size for "
+                "MiCS, 'full' for ZeRO-3, or 'auto'"
+            )
+        return value
+
+
+class Checkpoint(_Model):
+    """Sharded checkpoints written under the contract's checkpoints/ folder."""
+
+    uri: str | None = Field(
+        None,
+        description="Where checkpoints are kept beyond the job: an s3:// URI (SageMaker, EC2) or "
+        "a local folder; default: inside the job's output.",
+    )
+    interval_steps: int = Field(
+        0, ge=0, description="Save every N optimizer steps; 0 = only at the end and on SIGTERM."
+    )
+    keep_last: int = Field(2, ge=1, description="How many complete checkpoints to keep.")
+
+
+class SageMakerOptions(_Model):
+    """Settings used only with `compute.target: sagemaker`."""
+
+    role: str | None = Field(
+        None, description="IAM role ARN the training job runs as (required for SageMaker)."
+    )
+    region: str | None = Field(None, description="AWS region; default: the boto3 default.")
+    image_uri: str | None = Field(
+        None, description="Training image; default: the AWS PyTorch training image for "
+        "framework_version (needs the `sagemaker` extra).",
+    )
+    framework_version: str = Field(
+        "2.6", description="PyTorch version of the AWS image (dtrain's runtime needs >= 2.6)."
+    )
+    py_version: str = Field("py312", description="Python version tag of the AWS image.")
+    input_mode: Literal["File", "FastFile", "Pipe"] = Field(
+        "File", description="How SageMaker delivers input channels."
+    )
+    keep_alive_period: int | None = Field(
+        None, ge=0, le=3600, description="Warm-pool keep-alive after the job, seconds."
+    )
+    subnets: list[str] = Field(default_factory=list, description="VPC subnet ids.")
+    security_group_ids: list[str] = Field(default_factory=list, description="VPC security groups.")
+    retry_attempts: int = Field(
+        0, ge=0, le=30, description="SageMaker RetryStrategy: retries on internal errors."
+    )
+    enable_network_isolation: bool = Field(False, description="Block outbound network access.")
+    volume_kms_key_id: str | None = Field(None, description="KMS key for the storage volume.")
+    output_kms_key_id: str | None = Field(None, description="KMS key for the output artifacts.")
+
+    @field_validator("role")
+    @classmethod
+    def _role_arn(cls, value: str | None) -> str | None:
+        if value is not None and not _ROLE_ARN.match(value):
+            raise ValueError(
+                f"{value!r} is not an IAM role ARN; expected "
+                "arn:aws:iam::<12-digit account>:role/<name>"
+            )
+        return value
+
+
+class Ec2Options(_Model):
+    """Settings used only with `compute.target: ec2`."""
+
+    region: str | None = Field(None, description="AWS region; default: the boto3 default.")
+    ami: str = Field(
+        "auto", description="AMI id, or `auto` for the AWS Deep Learning AMI (PyTorch) via SSM."
+    )
+    subnet_id: str | None = Field(None, description="Subnet for every node (one AZ).")
+    key_name: str | None = Field(None, description="EC2 key pair for SSH, if any.")
+    ssh_cidr: str | None = Field(
+        None, description="CIDR allowed to SSH in; default: no SSH rule at all."
+    )
+    instance_profile: str | None = Field(
+        None, description="IAM instance profile (name or ARN) giving nodes S3 access."
+    )
+    placement_group: str | None = Field(
+        None, description="Existing cluster placement group; default: dtrain creates one."
+    )
+    capacity_reservation_id: str | None = Field(
+        None, description="Capacity reservation (or capacity block) to launch into."
+    )
+    capacity_block: bool = Field(
+        False, description="The reservation is an EC2 Capacity Block for ML."
+    )
+    image_uri: str | None = Field(
+        None, description="Run the runtime in this container image instead of on the AMI."
+    )
+    confirm_above_usd: float = Field(
+        100.0, ge=0, description="Ask before launching when max_run would cost more than this."
+    )
+
+    @field_validator("ssh_cidr")
+    @classmethod
+    def _cidr(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        match = _CIDR.match(value)
+        if not match or any(int(p) > 255 for p in match.groups()[:4]) or int(match[5]) > 32:
+            raise ValueError(f"{value!r} is not an IPv4 CIDR; write e.g. 203.0.113.7/32")
+        return value
+
+
+class JobSpec(_Model):
+    """A training job: what to run, on what, and how it is distributed."""
+
+    name: str | None = Field(
+        None, description="Job name (letters, digits, hyphens; up to 40); default: from the "
+        "entry point.",
+    )
+    entry_point: str = Field(
+        description="Script to run (relative to source_dir), or a built-in recipe such as "
+        "`recipe:causal_lm`."
+    )
+    source_dir: str | None = Field(
+        None, description="Folder with the training code; default: the entry point's folder."
+    )
+    hyperparameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Passed to the script as --key value arguments and SM_HPS (JSON values).",
+    )
+    compute: Compute = Field(default_factory=Compute, description="Where and on what it runs.")
+    distribution: Distribution = Field(
+        default_factory=Distribution, description="Sharding and communication settings."
+    )
+    inputs: dict[str, str] = Field(
+        default_factory=dict,
+        description="Input channels: name -> s3:// URI, or a local path for local jobs.",
+    )
+    output_path: str | None = Field(
+        None, description="Where model and output artifacts go: s3:// URI for cloud targets, "
+        "a local folder for local jobs (default: under $DTRAIN_HOME/jobs).",
+    )
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpointing.")
+    environment: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables for every worker."
+    )
+    tags: dict[str, str] = Field(default_factory=dict, description="Tags on cloud resources.")
+    sagemaker: SageMakerOptions = Field(
+        default_factory=SageMakerOptions, description="SageMaker-only settings."
+    )
+    ec2: Ec2Options = Field(default_factory=Ec2Options, description="EC2-only settings.")
+
+    # --- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Any, *, base_dir: str | os.PathLike | None = None) -> JobSpec:
+        """Validate ``data``; relative paths resolve against ``base_dir`` (default: cwd)."""
+        if not isinstance(data, dict):
+            raise SpecError(f"spec: expected a mapping of fields, got {type(data).__name__}")
+        context = {"base_dir": Path(base_dir or os.getcwd())}
+        try:
+            return cls.model_validate(data, context=context)
+        except ValidationError as exc:
+            from dtrain.spec.errors import explain
+
+            raise SpecError(explain(exc, cls)) from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, *, overrides: list[str] = ()) -> JobSpec:
+        """Load YAML or JSON, apply ``key.path=value`` overrides, validate."""
+        from dtrain.spec.io import apply_overrides, load_mapping
+
+        data = apply_overrides(load_mapping(path), overrides)
+        return cls.from_dict(data, base_dir=Path(path).resolve().parent)
+
+    # --- field rules ----------------------------------------------------------------------
+
+    @field_validator("name")
+    @classmethod
+    def _job_name(cls, value: str | None) -> str | None:
+        if value is not None and not _JOB_NAME.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid job name; use 1-40 letters, digits and hyphens, "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _json_hyperparameters(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, item in value.items():
+            if key.startswith(RESERVED_HP_PREFIXES):
+                raise ValueError(f"{key!r} is reserved (prefixes dtrain_, sagemaker_); rename it")
+            try:
+                json.dumps(item, allow_nan=False)
+            except (TypeError, ValueError, RecursionError):
+                raise ValueError(
+                    f"{key!r} = {item!r:.60} is not JSON-serialisable; use strings, numbers, "
+                    "booleans, lists or mappings of those"
+                ) from None
+        return value
+
+    @field_validator("inputs")
+    @classmethod
+    def _channel_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for channel, uri in value.items():
+            if not _CHANNEL.match(channel):
+                raise ValueError(
+                    f"channel name {channel!r} is invalid; use up to 64 letters, digits, . - _"
+                )
+            if is_s3_uri(uri):
+                check_s3_uri(uri, f"inputs.{channel}")
+        return value
+
+    @field_validator("environment")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+        return value
+
+    @field_validator("tags")
+    @classmethod
+    def _aws_tags(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            if not 1 <= len(key) <= 128 or len(item) > 256 or key.lower().startswith("aws:"):
+                raise ValueError(
+                    f"tag {key!r}: keys are 1-128 characters and may not start with 'aws:', "
+                    "values at most 256 characters"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self, info: ValidationInfo) -> JobSpec:
+        from dtrain.spec.rules import check_spec
+
+        base_dir = (info.context or {}).get("base_dir") or Path(os.getcwd())
+        problems, notes = check_spec(self, Path(base_dir))
+        for note in notes:
+            warnings.warn(note, SpecWarning, stacklevel=2)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    # --- derived facts ------------------------------------------------------------------
+
+    @property
+    def is_recipe(self) -> bool:
+        return self.entry_point.startswith(RECIPE_PREFIX)
+
+    @property
+    def world_size(self) -> int:
+        return self.compute.world_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """The validated spec as plain JSON-compatible data (round-trips through from_dict)."""
+        return self.model_dump(mode="json")
+
+    def to_model_trainer(self) -> Any:
+        """The equivalent ``sagemaker.train.ModelTrainer`` (needs the ``sagemaker`` extra)."""
+        from dtrain.sagemaker import to_model_trainer
+
+        return to_model_trainer(self)

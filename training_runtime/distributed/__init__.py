@@ -1,0 +1,1 @@
+"""Process groups, the mesh, MiCS sharding, collectives, gradient accumulation, communication statistics."""

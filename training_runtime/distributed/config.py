@@ -1,0 +1,108 @@
+"""Distribution settings the runtime reads: the ``distribution`` argument or ``DTRAIN_DISTRIBUTION``.
+
+Plain data with validation; no torch import, so the node agent can parse it cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from dtrain.core.contract import DISTRIBUTION_DEFAULTS as _DEFAULTS
+
+ENV_VAR = "DTRAIN_DISTRIBUTION"
+_BACKENDS = ("auto", "nccl", "gloo")
+_PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+_ATTENTION = ("flash", "sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class DistributionConfig:
+    """What ``distribution`` in the job spec says, as the runtime needs it."""
+
+    sharding_degree: int | str = _DEFAULTS["sharding_degree"]
+    backend: str = _DEFAULTS["backend"]
+    gradient_accumulation_steps: int = _DEFAULTS["gradient_accumulation_steps"]
+    mixed_precision: str = _DEFAULTS["mixed_precision"]
+    activation_checkpointing: bool = _DEFAULTS["activation_checkpointing"]
+    hierarchical_allgather: bool | str = _DEFAULTS["hierarchical_allgather"]
+    attention: str = _DEFAULTS["attention"]
+
+    def __post_init__(self) -> None:
+        degree = self.sharding_degree
+        if degree != "auto" and not (
+            isinstance(degree, int) and not isinstance(degree, bool) and degree >= 1
+        ):
+            raise ValueError(
+                f"distribution.sharding_degree must be 'auto' or an integer >= 1, got {degree!r}"
+            )
+        _check_choice("backend", self.backend, _BACKENDS)
+        _check_choice("mixed_precision", self.mixed_precision, _PRECISIONS)
+        _check_choice("attention", self.attention, _ATTENTION)
+        steps = self.gradient_accumulation_steps
+        if not (isinstance(steps, int) and steps >= 1):
+            raise ValueError(
+                f"distribution.gradient_accumulation_steps must be an integer >= 1, got {steps!r}"
+            )
+        if self.hierarchical_allgather not in ("auto", True, False):
+            raise ValueError(
+                "distribution.hierarchical_allgather must be 'auto', true or false, "
+                f"got {self.hierarchical_allgather!r}"
+            )
+        if self.hierarchical_allgather is True and self.backend == "nccl":
+            raise ValueError(
+                "distribution.hierarchical_allgather=true needs dtrain's collectives, but "
+                "backend='nccl' means stock NCCL collectives only; set backend to 'auto'"
+            )
+        if not isinstance(self.activation_checkpointing, bool):
+            raise ValueError(  # noqa: TRY004 -- a settings error, like the others
+                "distribution.activation_checkpointing must be true or false, "
+                f"got {self.activation_checkpointing!r}"
+            )
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> DistributionConfig:
+        """Build from a dict; unknown keys warn (newer clients may send more than we read)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            warnings.warn(f"ignoring unknown distribution keys {unknown}", stacklevel=2)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> DistributionConfig:
+        raw = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
+        if not raw:
+            return cls()
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{ENV_VAR} is not valid JSON ({err}); set it to a JSON object"
+            ) from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{ENV_VAR} must be a JSON object, got {raw!r}")  # noqa: TRY004
+        return cls.from_mapping(data)
+
+    @classmethod
+    def resolve(
+        cls, distribution: DistributionConfig | Mapping[str, Any] | None
+    ) -> DistributionConfig:
+        if distribution is None:
+            return cls.from_env()
+        if isinstance(distribution, DistributionConfig):
+            return distribution
+        if isinstance(distribution, Mapping):
+            return cls.from_mapping(distribution)
+        raise ValueError(
+            f"distribution must be a dict or DistributionConfig, got {type(distribution).__name__}"
+        )
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"distribution.{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -1,0 +1,307 @@
+"""``dtrain.runtime.init()``: process group, node-aware groups, the MiCS mesh and job paths.
+
+Process facts come from the variables torch elastic sets for each worker (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT); ranks are node-contiguous,
+so node = rank // LOCAL_WORLD_SIZE. Paths come from the container contract (SM_* variables).
+Without a launcher (plain ``python train.py``) it runs as a one-process world.
+
+    import dtrain.runtime as rt
+    ctx = rt.init()                    # reads DTRAIN_DISTRIBUTION
+    model = rt.shard(model, ctx)       # builds the ("replicate", "shard") mesh, MiCS via FSDP2
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dtrain.runtime.distributed import accumulation, comm_stats
+from dtrain.runtime.distributed.collectives import HierarchyGroups, build_hierarchy_groups
+from dtrain.runtime.distributed.config import DistributionConfig
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DEFAULT_TIMEOUT_S = 1800.0
+DEFAULT_CHECKPOINT_DIR = "/opt/ml/checkpoints"
+
+
+@dataclass(frozen=True)
+class ProcessFacts:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ProcessFacts:
+        env = os.environ if environ is None else environ
+        if "RANK" not in env:
+            return cls(0, 0, 1, 1, 0)
+        rank, world = int(env["RANK"]), int(env.get("WORLD_SIZE", "1"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", str(world)))
+        if local_world < 1 or world % local_world:
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE={local_world} does not divide WORLD_SIZE={world}; start the "
+                "same number of workers on every node"
+            )
+        node = rank // local_world
+        if int(env.get("GROUP_RANK", node)) != node:
+            raise ValueError(
+                f"rank {rank} with LOCAL_WORLD_SIZE={local_world} is on node {node}, but "
+                f"GROUP_RANK={env['GROUP_RANK']}; ranks must be node-contiguous (torchrun's "
+                "default static rendezvous assigns them so)"
+            )
+        return cls(rank, int(env.get("LOCAL_RANK", rank % local_world)), world, local_world, node)
+
+
+@dataclass
+class RuntimeContext:
+    """Everything a training script needs to know about where it runs."""
+
+    facts: ProcessFacts
+    config: DistributionConfig
+    backend: str  # the resolved process-group backend: "nccl" or "gloo"
+    device: torch.device
+    intra_node_group: dist.ProcessGroup  # the ranks of my node
+    inter_node_group: dist.ProcessGroup  # the ranks with my local rank, one per node
+    comm_stats: comm_stats.CommStats
+    model_dir: Path
+    output_data_dir: Path
+    checkpoint_dir: Path
+    channels: dict[str, Path]
+    mesh: DeviceMesh | None = None
+    sharding_degree: int | None = None
+    _hierarchy: dict[int, HierarchyGroups] = field(default_factory=dict, repr=False)
+
+    rank = property(lambda self: self.facts.rank)
+    local_rank = property(lambda self: self.facts.local_rank)
+    world_size = property(lambda self: self.facts.world_size)
+    local_world_size = property(lambda self: self.facts.local_world_size)
+    node_rank = property(lambda self: self.facts.node_rank)
+    num_nodes = property(lambda self: self.facts.num_nodes)
+
+    @property
+    def is_main(self) -> bool:
+        return self.facts.rank == 0
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def channel(self, name: str) -> Path:
+        try:
+            return self.channels[name.lower()]
+        except KeyError:
+            raise ValueError(
+                f"no input channel {name!r}; this job has {sorted(self.channels) or 'none'}. "
+                "Add it under inputs in the job spec"
+            ) from None
+
+    def build_mesh(self, sharding_degree: int) -> DeviceMesh:
+        """The ("replicate", "shard") mesh: partition groups of ``sharding_degree`` ranks."""
+        validate_sharding_degree(sharding_degree, world_size=self.world_size)
+        if self.mesh is not None:
+            if sharding_degree != self.sharding_degree:
+                raise ValueError(
+                    f"this context already has a mesh for sharding_degree={self.sharding_degree}; "
+                    f"call dtrain.runtime.init() again for degree {sharding_degree}"
+                )
+            return self.mesh
+        shape = (self.world_size // sharding_degree, sharding_degree)
+        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        self.sharding_degree = sharding_degree
+        return self.mesh
+
+    def partition_group_spans_nodes(self, sharding_degree: int) -> bool:
+        return sharding_degree > self.local_world_size
+
+    def hierarchical_allgather_enabled(self, sharding_degree: int) -> bool:
+        """Whether MiCS's 2-stage all-gather replaces the flat one at this degree."""
+        setting = self.config.hierarchical_allgather
+        if not self.partition_group_spans_nodes(sharding_degree) or setting is False:
+            return False
+        if setting == "auto" and self.config.backend != "auto":
+            return False  # "nccl"/"gloo" ask for stock collectives
+        if sharding_degree % self.local_world_size:
+            if setting is True:
+                raise ValueError(
+                    f"hierarchical_allgather=true needs partition groups of whole nodes, but "
+                    f"sharding_degree={sharding_degree} is not a multiple of "
+                    f"{self.local_world_size} ranks per node; pick a multiple or set it to auto"
+                )
+            return False
+        return True
+
+    def hierarchy_groups(self, sharding_degree: int) -> HierarchyGroups:
+        """Stage groups for the hierarchical all-gather (created once per degree)."""
+        if sharding_degree not in self._hierarchy:
+            self._hierarchy[sharding_degree] = build_hierarchy_groups(
+                world_size=self.world_size,
+                local_world_size=self.local_world_size,
+                sharding_degree=sharding_degree,
+                rank=self.rank,
+            )
+        return self._hierarchy[sharding_degree]
+
+    def micro_step(self, model: torch.nn.Module, *, boundary: bool):
+        """Context for one micro-step; see :mod:`dtrain.runtime.distributed.accumulation`."""
+        return accumulation.micro_step(model, boundary=boundary)
+
+    def accumulate(
+        self, model: torch.nn.Module, batches: Iterable[Any], *, steps: int | None = None
+    ) -> Iterator[accumulation.MicroStep]:
+        """Micro-steps of ``gradient_accumulation_steps`` (or ``steps``) per optimizer step."""
+        return accumulation.accumulate(
+            model, batches, steps=steps or self.config.gradient_accumulation_steps
+        )
+
+
+def validate_sharding_degree(degree: int, *, world_size: int) -> None:
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"sharding_degree must be an integer >= 1, got {degree!r}")
+    if world_size % degree:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"sharding_degree={degree} does not divide the world size {world_size}; use one of "
+            f"{divisors} (1 = DDP, {world_size} = ZeRO-3, between = MiCS)"
+        )
+
+
+def resolve_backend(requested: str, *, cuda_available: bool) -> str:
+    if requested == "nccl" and not cuda_available:
+        raise ValueError(
+            "distribution.backend='nccl' needs CUDA GPUs, but none is available; use "
+            "backend 'auto' or 'gloo' on CPU"
+        )
+    if requested == "auto":
+        return "nccl" if cuda_available else "gloo"
+    return requested
+
+
+def init(
+    *,
+    timeout: float | datetime.timedelta = DEFAULT_TIMEOUT_S,
+    distribution: DistributionConfig | Mapping[str, Any] | None = None,
+) -> RuntimeContext:
+    """Join the job's process group and describe this process (see the module docstring).
+
+    Reuses an already initialised default process group, so several configurations can run in
+    one group (tests, benchmarks). With an integer ``sharding_degree`` the mesh is built here;
+    ``"auto"`` needs the model's size and is resolved by :func:`dtrain.runtime.shard`.
+    """
+    config = DistributionConfig.resolve(distribution)
+    facts = ProcessFacts.from_env()
+    _show_runtime_logs(facts.rank)
+    cuda = torch.cuda.is_available()
+    backend = resolve_backend(config.backend, cuda_available=cuda)
+    device = torch.device("cuda", facts.local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _init_process_group(backend, facts, timeout)
+    intra, inter = _node_groups(facts)
+    stats = comm_stats.process_stats(local_world_size=facts.local_world_size)
+    ctx = RuntimeContext(
+        facts=facts,
+        config=config,
+        backend=backend,
+        device=device,
+        intra_node_group=intra,
+        inter_node_group=inter,
+        comm_stats=stats,
+        **_contract_paths(),
+    )
+    if config.sharding_degree != "auto":
+        ctx.build_mesh(config.sharding_degree)
+    return ctx
+
+
+def _show_runtime_logs(rank: int) -> None:
+    """Send the runtime's INFO lines (the attention kernel each model uses) to stderr, which the
+    node agent keeps as the rank's log, unless the script has set up logging itself: a worker
+    is a fresh interpreter, where Python drops INFO records that no handler takes."""
+    runtime_logger = logging.getLogger("dtrain.runtime")
+    if logging.getLogger().handlers or runtime_logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s dtrain rank {rank} %(message)s"))
+    # Stand down once the script configures logging after init(): its handlers get the records.
+    handler.addFilter(lambda _record: not logging.getLogger().handlers)
+    runtime_logger.addHandler(handler)
+    if runtime_logger.level == logging.NOTSET:
+        runtime_logger.setLevel(logging.INFO)
+
+
+def _init_process_group(
+    backend: str, facts: ProcessFacts, timeout: float | datetime.timedelta
+) -> None:
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if dist.is_initialized():
+        if dist.get_world_size() != facts.world_size:
+            raise ValueError(
+                f"a process group of {dist.get_world_size()} ranks already exists but "
+                f"WORLD_SIZE={facts.world_size}; destroy it before dtrain.runtime.init()"
+            )
+        return
+    if "RANK" not in os.environ:
+        # A one-process run needs no rendezvous: an in-memory store avoids picking a port.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        return
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=facts.rank,
+        world_size=facts.world_size,
+        timeout=timeout,
+    )
+
+
+# Node groups are created once per process group: new_group is a world-wide collective.
+_NODE_GROUPS: dict[int, tuple[Any, dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _node_groups(facts: ProcessFacts) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    world = dist.distributed_c10d._get_default_group()
+    cached = _NODE_GROUPS.get(facts.local_world_size)
+    if cached is not None and cached[0] is world:
+        return cached[1], cached[2]
+    lws, nodes = facts.local_world_size, facts.num_nodes
+    intra = inter = None
+    for node in range(nodes):
+        group = dist.new_group([node * lws + j for j in range(lws)])
+        intra = group if node == facts.node_rank else intra
+    for local in range(lws):
+        group = dist.new_group([n * lws + local for n in range(nodes)])
+        inter = group if local == facts.local_rank else inter
+    assert intra is not None and inter is not None
+    _NODE_GROUPS[facts.local_world_size] = (world, intra, inter)
+    return intra, inter
+
+
+def _contract_paths(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    env = os.environ if environ is None else environ
+    channels = {
+        key[len("SM_CHANNEL_") :].lower(): Path(value)
+        for key, value in env.items()
+        if key.startswith("SM_CHANNEL_")
+    }
+    return {
+        "model_dir": Path(env.get("SM_MODEL_DIR", "/opt/ml/model")),
+        "output_data_dir": Path(env.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data")),
+        "checkpoint_dir": Path(env.get("DTRAIN_CHECKPOINT_DIR", DEFAULT_CHECKPOINT_DIR)),
+        "channels": channels,
+    }

@@ -1,0 +1,175 @@
+"""``dtrain.runtime.shard()``: MiCS sharded data parallelism on FSDP2.
+
+The ("replicate", "shard") mesh's shard axis is a MiCS partition group: parameters, gradients
+and optimizer states are sharded inside it and replicated across groups. ``fully_shard`` is
+applied per transformer block, then on the root (torchtitan's order), so a block's parameters
+are gathered just before it runs and freed after.
+
+* degree 1: every group has one rank, FSDP2 replicates only (DDP: one all-reduce per step);
+* degree = world size: one group, plain FSDP on the shard axis (ZeRO-3);
+* in between: HSDP = MiCS; when a group spans nodes, the hierarchical all-gather of
+  :mod:`dtrain.runtime.distributed.collectives` replaces the flat one (``hierarchical_allgather``).
+
+Gradient sync with accumulation (2-hop) lives in :mod:`dtrain.runtime.distributed.accumulation`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from dtrain.core.parallelism import choose_sharding_degree
+from dtrain.runtime.distributed.collectives import HierarchicalAllGather
+from dtrain.runtime.distributed.context import RuntimeContext
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def shard(
+    model: nn.Module,
+    ctx: RuntimeContext,
+    *,
+    block_classes: Iterable[type[nn.Module]] | None = None,
+    mixed_precision: str | None = None,
+    activation_checkpointing: bool | None = None,
+    reshard_after_forward: bool = True,
+    sharding_degree: int | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place with MiCS and return it (an ``FSDPModule``).
+
+    ``block_classes`` default to the classes named in the model's ``_no_split_modules``;
+    ``mixed_precision`` / ``activation_checkpointing`` / ``sharding_degree`` default to the
+    context's distribution settings. A model built on the meta device is materialised on
+    ``ctx.device`` after sharding and initialised with its ``init_weights()``.
+    """
+    degree = _resolve_degree(model, ctx, sharding_degree)
+    mesh = ctx.build_mesh(degree)
+    # A replicate axis of size 1 would add a no-op all-reduce per layer: ZeRO-3 uses "shard".
+    fsdp_mesh = mesh["shard"] if mesh.size(0) == 1 else mesh
+    policy = build_mixed_precision_policy(
+        mixed_precision or ctx.config.mixed_precision, device=ctx.device
+    )
+    checkpointing = (
+        ctx.config.activation_checkpointing
+        if activation_checkpointing is None
+        else activation_checkpointing
+    )
+    blocks = find_blocks(model, block_classes)
+    if checkpointing:
+        blocks = apply_activation_checkpointing(model, blocks)
+    options = {"mesh": fsdp_mesh, "mp_policy": policy}
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+    _configure_collectives(model, ctx, degree)
+    _materialize_if_meta(model, ctx)
+    return model
+
+
+def _resolve_degree(model: nn.Module, ctx: RuntimeContext, override: int | None) -> int:
+    if override is not None:
+        return override
+    if ctx.sharding_degree is not None:
+        return ctx.sharding_degree
+    if ctx.config.sharding_degree != "auto":
+        return int(ctx.config.sharding_degree)
+    return choose_sharding_degree(
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        world_size=ctx.world_size,
+        gpus_per_node=ctx.local_world_size,
+        device_memory_bytes=device_memory_bytes(ctx),
+    )
+
+
+def device_memory_bytes(ctx: RuntimeContext) -> float:
+    """Memory one rank may use: the GPU's, or this machine's RAM split between its workers."""
+    if ctx.device.type == "cuda":
+        return float(torch.cuda.get_device_properties(ctx.device).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / ctx.local_world_size
+
+
+def build_mixed_precision_policy(precision: str, *, device: torch.device) -> MixedPrecisionPolicy:
+    """Compute in ``precision``; reduce gradients in fp32 so accumulation does not lose bits."""
+    if precision == "auto":
+        bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16" if bf16 else "fp32"
+    if precision not in _DTYPES:
+        raise ValueError(
+            f"mixed_precision must be one of auto, bf16, fp16, fp32; got {precision!r}"
+        )
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def find_blocks(
+    model: nn.Module, block_classes: Iterable[type[nn.Module]] | None
+) -> list[nn.Module]:
+    """The transformer blocks to shard one by one (outermost matches only)."""
+    if block_classes is not None:
+        classes = tuple(block_classes)
+        matches = lambda m: isinstance(m, classes)
+    else:
+        names = set(getattr(type(model), "_no_split_modules", None) or ())
+        if not names:
+            raise ValueError(
+                f"{type(model).__name__} has no _no_split_modules; pass block_classes=[...] "
+                "naming its transformer block class"
+            )
+        matches = lambda m: type(m).__name__ in names
+    blocks: list[nn.Module] = []
+    for module in model.modules():
+        nested = any(_contains(block, module) for block in blocks)
+        if module is not model and matches(module) and not nested:
+            blocks.append(module)
+    if not blocks:
+        raise ValueError(
+            f"no transformer blocks found in {type(model).__name__}; pass block_classes=[...]"
+        )
+    return blocks
+
+
+def _contains(parent: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in parent.modules())
+
+
+def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Wrap each block in torch's checkpoint wrapper (before sharding) and return the wrappers."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    wrapped = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if any(child is block for block in blocks):
+                wrapper = checkpoint_wrapper(child)
+                setattr(parent, name, wrapper)
+                wrapped.append(wrapper)
+    assert len(wrapped) == len(blocks)
+    return wrapped
+
+
+def _configure_collectives(model: nn.Module, ctx: RuntimeContext, degree: int) -> None:
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if ctx.backend == "gloo":
+        # gloo has no ReduceOp.AVG: reduce with SUM and let FSDP2 divide afterwards.
+        for module in fsdp_modules:
+            module.set_force_sum_reduction_for_comms(True)
+    if ctx.hierarchical_allgather_enabled(degree):
+        comm = HierarchicalAllGather(ctx.hierarchy_groups(degree))
+        for module in fsdp_modules:
+            module.set_custom_all_gather(comm)
+
+
+def _materialize_if_meta(model: nn.Module, ctx: RuntimeContext) -> None:
+    tensors = list(model.parameters()) + list(model.buffers())
+    if not any(t.is_meta for t in tensors):
+        return
+    model.to_empty(device=ctx.device)
+    init_weights = getattr(model, "init_weights", None)
+    if callable(init_weights):
+        with torch.no_grad():
+            init_weights()

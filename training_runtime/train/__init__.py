@@ -1,0 +1,1 @@
+"""Trainer, optimizer, schedule, checkpoints, data and metrics."""

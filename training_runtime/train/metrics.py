@@ -1,0 +1,159 @@
+"""Training metrics: throughput, model FLOPs utilisation, memory, communication.
+
+FLOPs per token (``dtrain.planning.costmodel.flops_per_token``, the planner's own formula)::
+
+    6·N + 12·L·h·s        N parameters, L layers, h hidden size, s sequence length
+
+6·N is the weights' forward (2·N) and backward (4·N) multiply-adds; 12·L·h·s is attention's
+QKᵀ and AV products, forward and backward (PaLM, appendix B). With activation checkpointing the
+forward runs twice, so ×4/3 — this counts the hardware's work, as the planner does (strictly
+"MFU" excludes recomputation; ours is then HFU).
+
+``tflops_per_gpu = flops_per_token × tokens_per_s / world_size / 1e12`` and
+``mfu = tflops_per_gpu / peak``, where peak is the instance catalog's dense half-precision
+TFLOP/s, the first of: ``DTRAIN_PEAK_TFLOPS`` (set it for a GPU the catalog lacks); the figure of
+the job's instance type (``DTRAIN_INSTANCE_TYPE``, else ``SM_CURRENT_INSTANCE_TYPE``); on a GPU
+with no such figure (``local_gpu``), the figure of the catalog GPU with the device's model name
+(SXM figures: a PCIe card's real peak is lower); else ``dtrain.core.instances.LOCAL_CPU_TFLOPS``
+(0.1 TFLOP/s per worker process, a nominal value: CPU MFU is only comparable with itself).
+
+Each logged step goes to stdout (rank 0) in ``dtrain.core.metrics_format``'s line, to
+``metrics.jsonl`` in the output data folder, and to TensorBoard when it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from dtrain.core import instances
+from dtrain.core.metrics_format import format_metrics
+from dtrain.planning.costmodel import flops_per_token
+
+INSTANCE_TYPE_ENV = "DTRAIN_INSTANCE_TYPE"
+PEAK_TFLOPS_ENV = "DTRAIN_PEAK_TFLOPS"
+JSONL_NAME = "metrics.jsonl"
+
+
+def model_flops_per_token(model: torch.nn.Module, *, seq_len: int,
+                          activation_checkpointing: bool = False) -> float:
+    """``flops_per_token`` with N, L, h read from a dtrain model's HF config."""
+    config = model.hf_config_dict()
+    return flops_per_token(
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        num_layers=int(config["num_hidden_layers"]), hidden_size=int(config["hidden_size"]),
+        seq_len=seq_len, activation_checkpointing=activation_checkpointing,
+    )
+
+
+def instance_type_from_env() -> str:
+    return (os.environ.get(INSTANCE_TYPE_ENV) or os.environ.get("SM_CURRENT_INSTANCE_TYPE")
+            or "local")
+
+
+def peak_tflops(instance_type: str, *, device: torch.device) -> tuple[float, bool]:
+    """(peak TFLOP/s per device, whether it is the nominal CPU figure); order in the module doc."""
+    override = os.environ.get(PEAK_TFLOPS_ENV)
+    if override:
+        try:
+            peak = float(override)
+        except ValueError:
+            peak = 0.0
+        if not peak > 0:
+            raise ValueError(f"{PEAK_TFLOPS_ENV}={override!r}: expected a positive number of "
+                             "TFLOP/s per device, e.g. 989 for an H100 SXM in bf16")
+        return peak, False
+    try:
+        peak = instances.get(instance_type).peak_tflops
+    except ValueError:
+        peak = 0.0
+    if peak <= 0 and device.type == "cuda":
+        peak = instances.gpu_peak_tflops(torch.cuda.get_device_name(device))
+    if peak > 0:
+        return peak, False
+    if device.type == "cuda":
+        warnings.warn(f"no peak TFLOP/s known for {torch.cuda.get_device_name(device)!r}: MFU "
+                      f"is against the nominal CPU figure; set {PEAK_TFLOPS_ENV}", stacklevel=2)
+    return instances.LOCAL_CPU_TFLOPS, True
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA's max allocated bytes, or this process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+class MetricsLogger:
+    """Writes one record per logging interval (rank 0 only writes; every rank may call)."""
+
+    def __init__(self, *, output_dir: str | Path | None, enabled: bool = True,
+                 stream: TextIO | None = None) -> None:
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self._jsonl = None
+        self._tensorboard = None
+        if enabled and output_dir is not None:
+            out = Path(output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(out / JSONL_NAME, "a", encoding="utf-8")  # noqa: SIM115
+            self._tensorboard = _tensorboard_writer(out / "tensorboard")
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        # 7 significant digits on the console; metrics.jsonl keeps the exact values.
+        shown = {key: float(f"{value:.7g}") for key, value in values.items()}
+        print(format_metrics(step, **shown), file=self.stream, flush=True)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self._jsonl.flush()
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                self._tensorboard.add_scalar(f"train/{key}", value, step)
+            self._tensorboard.flush()
+
+    def close(self) -> None:
+        for sink in (self._jsonl, self._tensorboard):
+            if sink is not None:
+                sink.close()
+        self._jsonl = self._tensorboard = None
+
+
+def _tensorboard_writer(folder: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional: metric lines and JSONL still work
+        return None
+    return SummaryWriter(log_dir=str(folder))
+
+
+def throughput_metrics(
+    *, tokens: int, seconds: float, flops_per_token: float, world_size: int,
+    peak_tflops: float,
+) -> dict[str, float]:
+    """tokens_per_s (all ranks), tflops_per_gpu and mfu over an interval."""
+    tokens_per_s = tokens / seconds if seconds > 0 else 0.0
+    tflops = flops_per_token * tokens_per_s / world_size / 1e12
+    return {"tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
+            "mfu": tflops / peak_tflops if peak_tflops else 0.0}
+
+
+def comm_metrics(snapshot: dict[str, dict[str, float]], *, steps: int) -> dict[str, float]:
+    """This rank's collective bytes per optimizer step, from ``ctx.comm_stats.snapshot()``.
+
+    Calls include the Trainer's own: one 4-byte all-reduce per step (the stop flag) and one per
+    logged step (loss and token sums); their bytes are negligible.
+    """
+    total = snapshot.get("total", {})
+    steps = max(steps, 1)
+    return {"comm_intra_bytes_per_step": total.get("intra_bytes", 0.0) / steps,
+            "comm_inter_bytes_per_step": total.get("inter_bytes", 0.0) / steps,
+            "comm_calls_per_step": total.get("calls", 0) / steps}

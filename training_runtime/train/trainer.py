@@ -1,0 +1,247 @@
+"""The Trainer: accumulation with MiCS 2-hop sync, clipping, AdamW, LR schedule, checkpoints, metrics.
+
+    ctx = rt.init()
+    model = rt.shard(model, ctx)
+    trainer = Trainer(model, ctx, loss_fn, config=TrainerConfig(steps=100, lr=3e-4))
+    result = trainer.fit(loader)        # resumes from the newest complete checkpoint
+
+``loss_fn(model, batch) -> (loss, tokens)``: the mean loss of one micro-batch and how many
+tokens it trained on (for throughput). One optimizer step takes ``gradient_accumulation_steps``
+micro-batches; hop 2 of the gradient sync runs only on the last one (see
+:mod:`dtrain.runtime.distributed.accumulation`).
+
+Stopping: SIGTERM (a spot interruption, ``dtrain stop``) sets a flag; at the next step boundary
+every rank agrees on it (one all-reduce of a flag), a checkpoint is written and ``fit`` returns
+with ``preempted=True``; recipes then exit with ``PREEMPTED_EXIT_CODE`` (the node agent reports
+that as an interruption, not a crash).
+
+The end: after the last step a checkpoint is written, so it holds everything; then the ranks
+vote once more. A stop requested by then skips the model save (``preempted=True``: a resubmitted
+job resumes at the last step and only writes the model). A SIGTERM during the model save lets it
+finish within the agent's grace period, and ``fit`` returns normally: the job is complete.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from dtrain.core.contract import PREEMPTED_EXIT_CODE  # noqa: F401 - recipes' exit code, shared
+from dtrain.runtime.train import metrics as m
+from dtrain.runtime.train.checkpoint import CheckpointManager, save_hf_model
+from dtrain.runtime.train.optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
+from dtrain.runtime.train.schedule import WarmupCosine
+from torch import nn
+
+LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, int]]
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    steps: int
+    lr: float = 3e-4
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    log_interval: int = 10
+    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end and on SIGTERM
+    keep_last: int = 2
+    gradient_accumulation_steps: int | None = None  # None: the context's distribution setting
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "log_interval", "keep_last"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval must be >= 0 (0 = off), got "
+                             f"{self.checkpoint_interval}")
+
+
+@dataclass
+class FitResult:
+    step: int
+    preempted: bool = False  # stopped by SIGTERM; no model saved (step may be the last one)
+    resumed_from: int | None = None
+    history: list[dict[str, float]] = field(default_factory=list)  # the logged records
+
+
+class StopFlag:
+    """Set by SIGTERM; read at step boundaries."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+
+class Trainer:
+    def __init__(
+        self, model: nn.Module, ctx: Any, loss_fn: LossFn, *, config: TrainerConfig,
+        optimizer: torch.optim.Optimizer | None = None, flops_per_token: float = 0.0,
+        checkpoint_dir: str | Path | None = None, model_dir: str | Path | None = None,
+        output_dir: str | Path | None = None, stop: StopFlag | None = None,
+        loss_scaling: bool | None = None,
+    ) -> None:
+        """``loss_scaling`` defaults to on when the context's mixed precision is fp16."""
+        self.model, self.ctx, self.loss_fn, self.config = model, ctx, loss_fn, config
+        self.optimizer = optimizer or build_optimizer(
+            model, lr=config.lr, weight_decay=config.weight_decay)
+        self.schedule = WarmupCosine(config.lr, config.steps, warmup_steps=config.warmup_steps,
+                                     min_lr_ratio=config.min_lr_ratio)
+        if loss_scaling is None:
+            loss_scaling = ctx.config.mixed_precision == "fp16"
+        self.scaler = DynamicLossScaler(enabled=loss_scaling)
+        self.accumulation = config.gradient_accumulation_steps or ctx.gradient_accumulation_steps
+        self.flops_per_token = flops_per_token
+        self.checkpoint_dir = Path(checkpoint_dir or ctx.checkpoint_dir)
+        self.model_dir = Path(model_dir or ctx.model_dir)
+        self.output_dir = Path(output_dir or ctx.output_data_dir)
+        self.stop = stop or StopFlag()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.peak, self.peak_is_nominal = m.peak_tflops(m.instance_type_from_env(),
+                                                        device=ctx.device)
+        self.step = 0
+
+    def fit(self, loader: Any) -> FitResult:
+        """Train to ``config.steps`` optimizer steps, resuming from the newest checkpoint."""
+        self.stop.install()
+        checkpoints = CheckpointManager(self.checkpoint_dir, keep_last=self.config.keep_last)
+        result = FitResult(step=0, resumed_from=self._resume(checkpoints, loader))
+        logger = m.MetricsLogger(output_dir=self.output_dir, enabled=self.ctx.is_main)
+        window = _Window()
+        batches = iter(loader)
+        self.ctx.comm_stats.reset()  # count training traffic only, not setup and resume
+        try:
+            while self.step < self.config.steps:
+                if self._stop_requested():
+                    self._save(checkpoints, loader)
+                    result.preempted = True
+                    break
+                loss, tokens, grad_norm, lr = self.train_step(batches)
+                self.step += 1
+                window.add(loss, tokens, grad_norm, lr)
+                if self.step % self.config.log_interval == 0 or self.step == self.config.steps:
+                    record = self._log_record(window)
+                    logger.log(self.step, record)
+                    result.history.append({"step": self.step, **record})
+                    window = _Window()
+                interval = self.config.checkpoint_interval
+                if interval and self.step % interval == 0 and self.step < self.config.steps:
+                    self._save(checkpoints, loader)
+                    window.start = time.perf_counter()  # keep saving out of tokens/s
+            if not result.preempted:
+                saved = self._finish(checkpoints, loader, resumed_from=result.resumed_from)
+                result.preempted = not saved
+        finally:
+            logger.close()
+            self.stop.uninstall()
+        result.step = self.step
+        return result
+
+    def train_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor, int, float, float]:
+        """One optimizer step; returns (local mean loss, local tokens, grad norm, lr)."""
+        steps = self.accumulation
+        loss_sum, tokens = torch.zeros(()), 0
+        for index in range(steps):
+            batch = next(batches)
+            with self.ctx.micro_step(self.model, boundary=index == steps - 1):
+                loss, batch_tokens = self.loss_fn(self.model, batch)
+                (loss * (self.scaler.scale / steps)).backward()
+            loss_sum += loss.detach().float().cpu()
+            tokens += batch_tokens
+        grad_norm, scaled_norm = clip_and_unscale_(
+            self.params, max_norm=self.config.max_grad_norm, loss_scale=self.scaler.scale)
+        lr = self.schedule.apply(self.optimizer, self.step)
+        if self.scaler.update(scaled_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / steps, tokens, grad_norm, lr
+
+    def _stop_requested(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks stop at the same step
+        return bool(flag.item())
+
+    def _finish(self, checkpoints: CheckpointManager, loader: Any, *,
+                resumed_from: int | None) -> bool:
+        """The last checkpoint, then the model; False when a stop came before the model save."""
+        if resumed_from != self.step:  # a job resumed at the last step has that checkpoint
+            self._save(checkpoints, loader)
+        if self._stop_requested():
+            return False
+        # Still under the stop flag: a SIGTERM now lets the save finish (within the agent's
+        # grace period) instead of killing this rank half-way through the model.
+        save_hf_model(self.model, self.model_dir)
+        return True
+
+    def _trainer_state(self, loader: Any) -> dict[str, Any]:
+        data = loader.state_dict() if hasattr(loader, "state_dict") else None
+        # total_steps lets the node agent tell a stop after the last step from one before it.
+        return {"data": data, "loss_scaler": self.scaler.state_dict(),
+                "total_steps": self.config.steps}
+
+    def _save(self, checkpoints: CheckpointManager, loader: Any) -> None:
+        checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state(loader))
+
+    def _resume(self, checkpoints: CheckpointManager, loader: Any) -> int | None:
+        path = checkpoints.latest()
+        if path is None:
+            return None
+        state = checkpoints.load(path, self.model, self.optimizer)
+        self.step = int(state["step"])
+        self.scaler.load_state_dict(state["loss_scaler"])
+        if state.get("data") is not None and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(state["data"])
+        if self.ctx.is_main:
+            print(f"dtrain: resumed from {path} at step {self.step}", flush=True)
+        return self.step
+
+    def _log_record(self, window: _Window) -> dict[str, float]:
+        # One all-reduce for the loss and token sums of the whole interval.
+        sums = torch.tensor([float(window.loss_sum), float(window.tokens)], dtype=torch.float64)
+        dist.all_reduce(sums)
+        world = dist.get_world_size()
+        seconds = time.perf_counter() - window.start
+        record = {"loss": sums[0].item() / (world * window.steps), "lr": window.lr,
+                  "grad_norm": window.grad_norm}
+        record.update(m.throughput_metrics(
+            tokens=int(sums[1].item()), seconds=seconds, flops_per_token=self.flops_per_token,
+            world_size=world, peak_tflops=self.peak))
+        record["peak_memory_bytes"] = float(m.peak_memory_bytes(self.ctx.device))
+        record.update(m.comm_metrics(self.ctx.comm_stats.snapshot(), steps=window.steps))
+        self.ctx.comm_stats.reset()
+        if self.scaler.enabled:
+            record["loss_scale"] = self.scaler.scale
+        return record
+
+
+class _Window:
+    """What one logging interval accumulates."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.loss_sum, self.tokens, self.steps = torch.zeros((), dtype=torch.float64), 0, 0
+        self.grad_norm = self.lr = 0.0
+
+    def add(self, loss: torch.Tensor, tokens: int, grad_norm: float, lr: float) -> None:
+        self.loss_sum += loss.double()
+        self.tokens += tokens
+        self.steps += 1
+        self.grad_norm, self.lr = grad_norm, lr
