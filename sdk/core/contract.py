@@ -53,7 +53,14 @@ DISTRIBUTION_DEFAULTS: dict[str, Any] = {
     "activation_checkpointing": False,
     "hierarchical_allgather": "auto",
     "attention": "flash",
+    # the resolved dtrain.core.parallelism plan (a dict), or None when sharding_degree is auto
+    # and the model's size is known only at run time
+    "parallelism": None,
 }
+# The choices of the distribution settings, for the spec's fields and the runtime's parse.
+BACKENDS = ("auto", "nccl", "gloo")
+MIXED_PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+ATTENTION_KERNELS = ("flash", "sdpa", "eager")
 
 
 def bare_instance_type(instance_type: str) -> str:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from dtrain.core.flops import flops_per_token
+
 GRAD_REDUCE_BYTES = 4
 DEFAULT_EFFICIENCY = 0.5  # fraction of peak FLOP/s a well-tuned transformer step reaches
 
@@ -124,16 +126,6 @@ def hierarchical_allgather(size_bytes: float, *, ranks: int, nodes: int, per_nod
                + intra / (cluster.intra_gbytes_per_s * 1e9)
                + (nodes - 1 + per_node - 1) * cluster.latency_s)
     return Traffic(intra, inter, seconds, 2)
-
-
-def flops_per_token(*, num_parameters: int, num_layers: int, hidden_size: int, seq_len: int,
-                    activation_checkpointing: bool = False) -> float:
-    """Training FLOPs per token: 6·N + 12·L·h·s, ×4/3 with activation checkpointing.
-
-    The runtime's MFU uses the same function, so planned and measured MFU mean the same thing.
-    """
-    flops = 6 * num_parameters + 12 * num_layers * hidden_size * seq_len
-    return flops * 4 / 3 if activation_checkpointing else float(flops)
 
 
 def compute_seconds(work: Workload, cluster: Cluster) -> float:

@@ -12,8 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.core import instances, presets
-from dtrain.core import parallelism as partitioning
 from dtrain.core.errors import SpecError
+from dtrain.core.parallelism import (
+    ParallelismError,
+    ParallelismPlan,
+    build_parallelism_plan,
+    model_state_bytes_per_gpu,
+)
 from dtrain.planning import costmodel
 from dtrain.spec.model import JobSpec
 
@@ -65,10 +70,9 @@ class Plan:
     num_nodes: int
     processes_per_node: int
     world_size: int
-    sharding_degree: int | None  # None: resolved at run time from the real model
+    parallelism: ParallelismPlan | None  # None: sharding_degree auto, resolved at run time
     backend: str
     mixed_precision: str
-    hierarchical_allgather: bool
     model: ModelShape | None
     memory: MemoryEstimate | None
     strategies: list[costmodel.StepEstimate]
@@ -76,14 +80,20 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def sharding_degree(self) -> int | None:
+        return self.parallelism.dp_shard if self.parallelism else None
+
+    @property
+    def hierarchical_allgather(self) -> bool:
+        return bool(self.parallelism and self.parallelism.hierarchical_allgather)
+
+    @property
     def replicate_degree(self) -> int | None:
-        return self.world_size // self.sharding_degree if self.sharding_degree else None
+        return self.parallelism.dp_replicate if self.parallelism else None
 
     @property
     def group_within_node(self) -> bool | None:
-        if not self.sharding_degree:
-            return None
-        return self.sharding_degree <= self.processes_per_node
+        return None if self.parallelism is None else not self.parallelism.shard_group_spans_nodes
 
     @property
     def cost_per_hour(self) -> float | None:
@@ -108,13 +118,9 @@ class Plan:
         """
         dist = self.spec.distribution
         return {
-            "sharding_degree": self.sharding_degree or "auto",
-            "backend": dist.backend,
-            "gradient_accumulation_steps": dist.gradient_accumulation_steps,
+            **dist.model_dump(mode="json"),
             "mixed_precision": self.mixed_precision,
-            "activation_checkpointing": dist.activation_checkpointing,
-            "hierarchical_allgather": self.hierarchical_allgather,
-            "attention": dist.attention,
+            "parallelism": self.parallelism.to_dict() if self.parallelism else None,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,7 +131,7 @@ class Plan:
             "num_nodes": self.num_nodes,
             "processes_per_node": self.processes_per_node,
             "world_size": self.world_size,
-            "mesh": {"replicate": self.replicate_degree, "shard": self.sharding_degree},
+            "parallelism": self.parallelism.to_dict() if self.parallelism else None,
             "partition_group_within_node": self.group_within_node,
             "distribution": self.runtime_distribution(),
             "model": asdict(self.model) if self.model else None,
@@ -160,8 +166,8 @@ def plan(spec: JobSpec) -> Plan:
                      "num_parameters, or hidden_size + num_layers + vocab_size): memory, "
                      "traffic and step time are not estimated")
 
-    degree = _resolve_degree(spec, model, work, cluster, notes)
-    hierarchical = _resolve_hierarchical(dist, degree, ppn)
+    parallelism = _parallelism(spec, model, work, notes)
+    degree = parallelism.dp_shard if parallelism else None
     memory = memory_estimate(model, work, inst, degree) if model and degree else None
     if memory and memory.device_gib and memory.total_gib > memory.device_gib:
         notes.append(
@@ -171,8 +177,8 @@ def plan(spec: JobSpec) -> Plan:
     strategies = _strategies(work, cluster, degree, dist.gradient_accumulation_steps) \
         if work else []
     price = compute.price_per_hour or inst.price_per_hour(compute.target)
-    return Plan(spec, inst, compute.instance_count, ppn, world, degree, backend, precision,
-                hierarchical, model, memory, strategies, price, notes)
+    return Plan(spec, inst, compute.instance_count, ppn, world, parallelism, backend, precision,
+                model, memory, strategies, price, notes)
 
 
 def resolve_mixed_precision(requested: str, inst: instances.InstanceType) -> str:
@@ -264,7 +270,7 @@ def _hidden_from_count(num: int) -> int:
 def memory_estimate(model: ModelShape, work: costmodel.Workload, inst: instances.InstanceType,
                     degree: int) -> MemoryEstimate:
     gib = 2**30
-    states = partitioning.model_state_bytes_per_gpu(model.num_parameters, degree)
+    states = model_state_bytes_per_gpu(model.num_parameters, degree)
     return MemoryEstimate(
         model_state_gib=states / gib,
         unsharded_layers_gib=_unsharded_bytes(model, work) / gib,
@@ -290,47 +296,36 @@ def _activation_bytes(model: ModelShape, work: costmodel.Workload) -> float:
     return layers + logits
 
 
-def _resolve_degree(spec, model, work, cluster, notes) -> int | None:
-    requested = spec.distribution.sharding_degree
-    world = spec.compute.world_size
-    if requested == "full":
-        return world
-    if isinstance(requested, int):
-        return requested
+def _parallelism(spec, model, work, notes) -> ParallelismPlan | None:
+    """The parallelism plan (``dtrain.core.parallelism``), with ``auto`` sized by the model."""
     inst = spec.compute.instance
-    if model is None or not inst.gpu_memory_gib:
+    known = model is not None and inst.gpu_memory_gib
+    try:
+        result = build_parallelism_plan(
+            spec.distribution.model_dump(mode="json"), world_size=spec.compute.world_size,
+            devices_per_node=spec.compute.resolved_processes_per_instance,
+            num_parameters=model.num_parameters if known else None,
+            device_memory_bytes=inst.gpu_memory_gib * 2**30 if known else None,
+            other_bytes_per_device=(_activation_bytes(model, work)
+                                    + _unsharded_bytes(model, work)) if known else 0.0)
+    except ParallelismError as exc:
+        raise SpecError(str(exc)) from None
+    if result is None:
         notes.append("sharding_degree auto: resolved at run time from the model's parameter count"
                      " (give hyperparameters.model or num_parameters to plan it here)")
-        return None
-    other = _activation_bytes(model, work) + _unsharded_bytes(model, work)
-    try:
-        return partitioning.choose_sharding_degree(
-            num_parameters=model.num_parameters, world_size=world,
-            gpus_per_node=cluster.gpus_per_node,
-            device_memory_bytes=inst.gpu_memory_gib * 2**30, other_bytes_per_gpu=other,
-        )
-    except ValueError as exc:
-        raise SpecError(f"distribution.sharding_degree: auto: {exc}") from None
-
-
-def _resolve_hierarchical(dist, degree: int | None, ppn: int) -> bool:
-    spans_nodes = degree is not None and degree > ppn
-    if dist.backend == "nccl" or dist.hierarchical_allgather is False:
-        return False
-    if dist.hierarchical_allgather is True:
-        return spans_nodes
-    return spans_nodes and dist.backend == "auto"
+    return result
 
 
 def _strategies(work, cluster, degree, accumulation) -> list[costmodel.StepEstimate]:
     """DDP, ZeRO-3 and MiCS at the chosen degree (flat and hierarchical where it differs)."""
     world = cluster.world_size
     configs = [(1, False), (world, False)]
+    # the hierarchical all-gather runs only on groups of whole nodes (dtrain.core.parallelism)
     if world > cluster.gpus_per_node:
         configs.append((world, True))
     if degree and degree not in (1, world):
         configs.append((degree, False))
-        if degree > cluster.gpus_per_node:
+        if degree > cluster.gpus_per_node and degree % cluster.gpus_per_node == 0:
             configs.append((degree, True))
     seen, out = set(), []
     for d, hier in configs:

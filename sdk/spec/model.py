@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from dtrain.core import instances
+from dtrain.core import contract, instances
 from dtrain.core.errors import SpecError, SpecWarning
 from dtrain.spec.smp import translate_distribution
 from pydantic import (
@@ -136,7 +136,7 @@ class Distribution(_Model):
         "or `full` = ZeRO-3 full shard, in between = MiCS; `auto` = the planner's "
         "scale-aware choice.",
     )
-    backend: Literal["auto", "nccl", "gloo"] = Field(
+    backend: Literal[contract.BACKENDS] = Field(
         "auto",
         description="`auto`: NCCL on GPUs plus dtrain's topology-aware collectives, gloo on "
         "CPU; `nccl`: stock NCCL collectives only; `gloo`.",
@@ -144,7 +144,7 @@ class Distribution(_Model):
     gradient_accumulation_steps: int = Field(
         1, ge=1, le=1024, description="Micro-batches per optimizer step (2-hop gradient sync)."
     )
-    mixed_precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+    mixed_precision: Literal[contract.MIXED_PRECISIONS] = Field(
         "auto", description="Compute dtype; `auto` = bf16 where the GPU has it, fp16 on V100, "
         "fp32 on CPU.",
     )
@@ -156,7 +156,7 @@ class Distribution(_Model):
         description="All-gather across nodes in two stages (inter-node, then intra-node) when a "
         "partition group spans nodes; `auto` = on there with backend `auto`.",
     )
-    attention: Literal["flash", "sdpa", "eager"] = Field(
+    attention: Literal[contract.ATTENTION_KERNELS] = Field(
         "flash", description="Attention kernel for dtrain's models."
     )
 
@@ -167,16 +167,6 @@ class Distribution(_Model):
         for note in notes:
             warnings.warn(note, SpecWarning, stacklevel=2)
         return translated
-
-    @field_validator("sharding_degree")
-    @classmethod
-    def _positive_degree(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError(
-                f"got {value}; use 1 for plain data parallel, a divisor of the world size for "
-                "MiCS, 'full' for ZeRO-3, or 'auto'"
-            )
-        return value
 
 
 class Checkpoint(_Model):

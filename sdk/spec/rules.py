@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtrain.core import instances
+from dtrain.core.parallelism import ParallelismError, build_parallelism_plan
 
 if TYPE_CHECKING:
     from dtrain.spec.model import JobSpec
@@ -71,36 +72,17 @@ def _backend_fits_hardware(spec, base_dir, problems, notes) -> None:
             f"{spec.compute.instance_type!r} has none; use backend 'auto' or 'gloo', or a GPU "
             "instance type"
         )
-    if dist.backend == "nccl" and dist.hierarchical_allgather is True:
-        problems.append(
-            "distribution.hierarchical_allgather: true needs backend 'auto' (backend 'nccl' "
-            "means stock NCCL collectives only); set backend to 'auto' or drop the flag"
-        )
 
 
 def _degree_fits_world(spec, base_dir, problems, notes) -> None:
-    degree = spec.distribution.sharding_degree
-    if not isinstance(degree, int):
-        return
-    compute = spec.compute
-    world = compute.world_size
-    shape = f"{compute.instance_count} instance(s) × {compute.resolved_processes_per_instance}"
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
-    if degree > world:
-        problems.append(
-            f"distribution.sharding_degree: {degree} exceeds the world size {world} ({shape} "
-            f"processes); use one of {_short_list(divisors)}"
-        )
-    elif world % degree:
-        problems.append(
-            f"distribution.sharding_degree: {degree} does not divide the world size {world} "
-            f"({shape} processes); use one of {_short_list(divisors)}"
-        )
-
-
-def _short_list(values: list[int]) -> str:
-    shown = values if len(values) <= 12 else values[:6] + ["…"] + values[-3:]
-    return ", ".join(str(v) for v in shown)
+    """The degrees must make a parallelism plan (the one function the planner and the runtime
+    use too); ``auto`` is sized by the planner once the model is known."""
+    try:
+        build_parallelism_plan(spec.distribution.model_dump(mode="json"),
+                               world_size=spec.compute.world_size,
+                               devices_per_node=spec.compute.resolved_processes_per_instance)
+    except ParallelismError as exc:
+        problems.append(str(exc))
 
 
 def _spot_settings(spec, base_dir, problems, notes) -> None:

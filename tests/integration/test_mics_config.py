@@ -14,11 +14,7 @@ import torch
 import torch.distributed as dist
 from dtrain.runtime.distributed.comm_stats import split_bytes
 from dtrain.runtime.distributed.config import DistributionConfig
-from dtrain.runtime.distributed.context import (
-    ProcessFacts,
-    resolve_backend,
-    validate_sharding_degree,
-)
+from dtrain.runtime.distributed.context import ProcessFacts, resolve_backend
 from torch import nn
 
 
@@ -37,13 +33,9 @@ def test_distribution_env_fills_missing_keys_with_defaults():
 @pytest.mark.parametrize(
     "bad, field",
     [
-        ({"sharding_degree": 0}, "sharding_degree"),
-        ({"sharding_degree": "half"}, "sharding_degree"),
         ({"backend": "mpi"}, "backend"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
         ({"mixed_precision": "fp8"}, "mixed_precision"),
-        ({"hierarchical_allgather": "yes"}, "hierarchical_allgather"),
-        ({"hierarchical_allgather": True, "backend": "nccl"}, "hierarchical_allgather"),
     ],
 )
 def test_bad_distribution_settings_name_the_field(bad, field):
@@ -62,12 +54,6 @@ def test_backend_auto_picks_gloo_on_cpu_and_nccl_without_cuda_is_refused():
     assert resolve_backend("gloo", cuda_available=True) == "gloo"
     with pytest.raises(ValueError, match="'auto' or 'gloo'"):
         resolve_backend("nccl", cuda_available=False)
-
-
-def test_sharding_degree_must_divide_the_world_size():
-    validate_sharding_degree(4, world_size=8)
-    with pytest.raises(ValueError, match=r"use one of \[1, 2, 4, 8\]"):
-        validate_sharding_degree(3, world_size=8)
 
 
 def test_process_facts_follow_torch_elastic_variables():

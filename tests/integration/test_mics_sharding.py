@@ -133,7 +133,7 @@ def _run_config(rt, degree: int, accum: int, hier) -> dict:
     losses = torch.tensor(out["losses"], dtype=torch.float64)
     torch.distributed.all_reduce(losses)
     out["losses"] = (losses / WORLD).tolist()
-    out["hierarchical"] = ctx.hierarchical_allgather_enabled(degree)
+    out["hierarchical"] = ctx.plan.hierarchical_allgather
     return out
 
 
@@ -143,7 +143,7 @@ def _run_allgather_checks(rt) -> dict:
     from dtrain.runtime.distributed.collectives import hierarchical_all_gather
 
     ctx = rt.init(distribution={"sharding_degree": 4, "hierarchical_allgather": True})
-    groups, shard_group = ctx.hierarchy_groups(4), ctx.mesh["shard"].get_group()
+    groups, shard_group = ctx.hierarchy_groups(), ctx.mesh["dp_shard"].get_group()
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         shard = torch.randn(1001, generator=torch.Generator().manual_seed(ctx.rank)).to(dtype)

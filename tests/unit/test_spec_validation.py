@@ -193,7 +193,7 @@ def test_ssh_cidr_must_be_a_cidr():
 
 def test_hierarchical_allgather_forced_on_with_stock_nccl_is_rejected():
     data = sagemaker() | {"distribution": {"backend": "nccl", "hierarchical_allgather": True}}
-    assert "needs backend 'auto'" in problems(data)
+    assert "set distribution.backend to 'auto'" in problems(data)
 
 
 class TestSmpDistributionTranslation:

@@ -23,10 +23,14 @@ still uses it, and the stages run on FSDP2's all-gather stream it is called unde
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+if TYPE_CHECKING:
+    from dtrain.core.parallelism import ParallelismPlan
 
 
 @dataclass(frozen=True)
@@ -39,32 +43,31 @@ class HierarchyGroups:
     ranks_per_node: int  # L
 
 
-def build_hierarchy_groups(
-    *, world_size: int, local_world_size: int, sharding_degree: int, rank: int
-) -> HierarchyGroups:
-    """Create the stage groups for every partition group (collective: all ranks must call).
+def build_hierarchy_groups(plan: ParallelismPlan, *, rank: int) -> HierarchyGroups:
+    """Create the stage groups of every partition group (collective: all ranks must call).
 
-    Requires partition groups made of whole nodes: ``sharding_degree`` a multiple of
-    ``local_world_size``.
+    Needs partition groups made of whole nodes (``plan.hierarchical_allgather`` is only set
+    then). A group's members are node-contiguous: ``members[n*L:(n+1)*L]`` are on its n-th node.
     """
-    assert sharding_degree % local_world_size == 0 and sharding_degree > local_world_size
-    lws, degree = local_world_size, sharding_degree
-    k = degree // lws
+    assert plan.shard_group_whole_nodes, plan
+    per_node = plan.devices_per_node // plan.tp
+    k = plan.dp_shard // per_node
+    groups = sorted({tuple(plan.shard_group(r)) for r in range(plan.world_size)})
     mine_inter = mine_intra = None
     # new_group is collective over the world, so every rank creates every group in one order.
-    for start in range(0, world_size, degree):
-        for local in range(lws):
-            ranks = [start + n * lws + local for n in range(k)]
+    for members in groups:
+        for local in range(per_node):
+            ranks = [members[n * per_node + local] for n in range(k)]
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine_inter = group
         for n in range(k):
-            ranks = [start + n * lws + j for j in range(lws)]
+            ranks = list(members[n * per_node:(n + 1) * per_node])
             group = dist.new_group(ranks)
             if rank in ranks:
                 mine_intra = group
     assert mine_inter is not None and mine_intra is not None
-    return HierarchyGroups(mine_inter, mine_intra, k, lws)
+    return HierarchyGroups(mine_inter, mine_intra, k, per_node)
 
 
 class HierarchicalAllGather(AllGather):

@@ -1,6 +1,8 @@
 """Distribution settings the runtime reads: the ``distribution`` argument or ``DTRAIN_DISTRIBUTION``.
 
-Plain data with validation; no torch import, so the node agent can parse it cheaply.
+Plain data with validation; no torch import, so the node agent can parse it cheaply. The degrees
+(``sharding_degree``, ``hierarchical_allgather``) are checked where they are turned into a plan,
+:func:`dtrain.core.parallelism.build_parallelism_plan`, the function the planner uses too.
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from dtrain.core.contract import ATTENTION_KERNELS, BACKENDS, DISTRIBUTION_ENV, MIXED_PRECISIONS
 from dtrain.core.contract import DISTRIBUTION_DEFAULTS as _DEFAULTS
+from dtrain.core.parallelism import ParallelismPlan
 
-ENV_VAR = "DTRAIN_DISTRIBUTION"
-_BACKENDS = ("auto", "nccl", "gloo")
-_PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-_ATTENTION = ("flash", "sdpa", "eager")
+ENV_VAR = DISTRIBUTION_ENV
 
 
 @dataclass(frozen=True)
@@ -31,38 +32,30 @@ class DistributionConfig:
     activation_checkpointing: bool = _DEFAULTS["activation_checkpointing"]
     hierarchical_allgather: bool | str = _DEFAULTS["hierarchical_allgather"]
     attention: str = _DEFAULTS["attention"]
+    # the launcher's plan (dtrain plan printed it); None: built at run time from the above
+    parallelism: ParallelismPlan | None = None
 
     def __post_init__(self) -> None:
-        degree = self.sharding_degree
-        if degree != "auto" and not (
-            isinstance(degree, int) and not isinstance(degree, bool) and degree >= 1
-        ):
-            raise ValueError(
-                f"distribution.sharding_degree must be 'auto' or an integer >= 1, got {degree!r}"
-            )
-        _check_choice("backend", self.backend, _BACKENDS)
-        _check_choice("mixed_precision", self.mixed_precision, _PRECISIONS)
-        _check_choice("attention", self.attention, _ATTENTION)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        _check_choice("attention", self.attention, ATTENTION_KERNELS)
         steps = self.gradient_accumulation_steps
         if not (isinstance(steps, int) and steps >= 1):
             raise ValueError(
                 f"distribution.gradient_accumulation_steps must be an integer >= 1, got {steps!r}"
-            )
-        if self.hierarchical_allgather not in ("auto", True, False):
-            raise ValueError(
-                "distribution.hierarchical_allgather must be 'auto', true or false, "
-                f"got {self.hierarchical_allgather!r}"
-            )
-        if self.hierarchical_allgather is True and self.backend == "nccl":
-            raise ValueError(
-                "distribution.hierarchical_allgather=true needs dtrain's collectives, but "
-                "backend='nccl' means stock NCCL collectives only; set backend to 'auto'"
             )
         if not isinstance(self.activation_checkpointing, bool):
             raise ValueError(  # noqa: TRY004 -- a settings error, like the others
                 "distribution.activation_checkpointing must be true or false, "
                 f"got {self.activation_checkpointing!r}"
             )
+        if isinstance(self.parallelism, Mapping):
+            object.__setattr__(self, "parallelism", ParallelismPlan.from_dict(self.parallelism))
+
+    def plan_inputs(self) -> dict[str, Any]:
+        """The settings :func:`~dtrain.core.parallelism.build_parallelism_plan` reads."""
+        return {"sharding_degree": self.sharding_degree, "backend": self.backend,
+                "hierarchical_allgather": self.hierarchical_allgather}
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> DistributionConfig:

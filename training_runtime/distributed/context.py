@@ -7,7 +7,11 @@ Without a launcher (plain ``python train.py``) it runs as a one-process world.
 
     import dtrain.runtime as rt
     ctx = rt.init()                    # reads DTRAIN_DISTRIBUTION
-    model = rt.shard(model, ctx)       # builds the ("replicate", "shard") mesh, MiCS via FSDP2
+    model = rt.shard(model, ctx)       # the plan's mesh, MiCS via FSDP2
+
+The mesh comes from the job's parallelism plan (:mod:`dtrain.core.parallelism`): the one the
+launcher resolved and ``dtrain plan`` printed, or, for ``sharding_degree: auto`` without a known
+model size, the plan the same function builds once ``shard`` knows the model.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dtrain.core.parallelism import ParallelismPlan, build_parallelism_plan
 from dtrain.runtime.distributed import accumulation, comm_stats
 from dtrain.runtime.distributed.collectives import HierarchyGroups, build_hierarchy_groups
 from dtrain.runtime.distributed.config import DistributionConfig
@@ -81,9 +86,9 @@ class RuntimeContext:
     output_data_dir: Path
     checkpoint_dir: Path
     channels: dict[str, Path]
+    plan: ParallelismPlan | None = None
     mesh: DeviceMesh | None = None
-    sharding_degree: int | None = None
-    _hierarchy: dict[int, HierarchyGroups] = field(default_factory=dict, repr=False)
+    _hierarchy: HierarchyGroups | None = field(default=None, repr=False)
 
     rank = property(lambda self: self.facts.rank)
     local_rank = property(lambda self: self.facts.local_rank)
@@ -95,6 +100,10 @@ class RuntimeContext:
     @property
     def is_main(self) -> bool:
         return self.facts.rank == 0
+
+    @property
+    def sharding_degree(self) -> int | None:
+        return self.plan.dp_shard if self.plan else None
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -109,51 +118,54 @@ class RuntimeContext:
                 "Add it under inputs in the job spec"
             ) from None
 
-    def build_mesh(self, sharding_degree: int) -> DeviceMesh:
-        """The ("replicate", "shard") mesh: partition groups of ``sharding_degree`` ranks."""
-        validate_sharding_degree(sharding_degree, world_size=self.world_size)
+    def build_plan(self, *, sharding_degree: int | None = None, num_parameters: int | None = None,
+                   device_memory_bytes: float | None = None) -> ParallelismPlan | None:
+        """The job's parallelism plan on this world (``dtrain.core.parallelism``, the function
+        ``dtrain plan`` used); ``sharding_degree`` overrides the setting. None: ``auto`` without
+        ``num_parameters``."""
+        inputs = self.config.plan_inputs()
+        if sharding_degree is not None:
+            inputs["sharding_degree"] = sharding_degree
+        return build_parallelism_plan(
+            inputs, world_size=self.world_size, devices_per_node=self.local_world_size,
+            num_parameters=num_parameters, device_memory_bytes=device_memory_bytes)
+
+    def build_mesh(self, plan: ParallelismPlan) -> DeviceMesh:
+        """The plan's ``pp × dp_replicate × dp_shard × tp`` mesh (built once per context)."""
+        if (plan.world_size, plan.devices_per_node) != (self.world_size, self.local_world_size):
+            raise ValueError(
+                f"the parallelism plan is for {plan.world_size} ranks, {plan.devices_per_node} per "
+                f"node, but this job runs {self.world_size}, {self.local_world_size} per node; "
+                "submit the job again so the plan matches")
         if self.mesh is not None:
-            if sharding_degree != self.sharding_degree:
+            if plan != self.plan:
                 raise ValueError(
                     f"this context already has a mesh for sharding_degree={self.sharding_degree}; "
-                    f"call dtrain.runtime.init() again for degree {sharding_degree}"
+                    f"call dtrain.runtime.init() again for degree {plan.dp_shard}"
                 )
             return self.mesh
-        shape = (self.world_size // sharding_degree, sharding_degree)
-        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("replicate", "shard"))
-        self.sharding_degree = sharding_degree
+        self.mesh = init_device_mesh(self.device.type, plan.mesh_shape,
+                                     mesh_dim_names=plan.mesh_axis_names)
+        self.plan = plan
         return self.mesh
 
-    def partition_group_spans_nodes(self, sharding_degree: int) -> bool:
-        return sharding_degree > self.local_world_size
+    @property
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards over: ``dp_replicate × dp_shard``, or ``dp_shard`` alone when
+        there is one replica (a size-1 replicate axis would add a no-op all-reduce per layer)."""
+        if self.mesh is None or self.plan is None:
+            raise ValueError("no mesh yet; call dtrain.runtime.shard(model, ctx) first")
+        if self.plan.dp_replicate == 1:
+            return self.mesh["dp_shard"]
+        return self.mesh["dp_replicate", "dp_shard"]
 
-    def hierarchical_allgather_enabled(self, sharding_degree: int) -> bool:
-        """Whether MiCS's 2-stage all-gather replaces the flat one at this degree."""
-        setting = self.config.hierarchical_allgather
-        if not self.partition_group_spans_nodes(sharding_degree) or setting is False:
-            return False
-        if setting == "auto" and self.config.backend != "auto":
-            return False  # "nccl"/"gloo" ask for stock collectives
-        if sharding_degree % self.local_world_size:
-            if setting is True:
-                raise ValueError(
-                    f"hierarchical_allgather=true needs partition groups of whole nodes, but "
-                    f"sharding_degree={sharding_degree} is not a multiple of "
-                    f"{self.local_world_size} ranks per node; pick a multiple or set it to auto"
-                )
-            return False
-        return True
-
-    def hierarchy_groups(self, sharding_degree: int) -> HierarchyGroups:
-        """Stage groups for the hierarchical all-gather (created once per degree)."""
-        if sharding_degree not in self._hierarchy:
-            self._hierarchy[sharding_degree] = build_hierarchy_groups(
-                world_size=self.world_size,
-                local_world_size=self.local_world_size,
-                sharding_degree=sharding_degree,
-                rank=self.rank,
-            )
-        return self._hierarchy[sharding_degree]
+    def hierarchy_groups(self) -> HierarchyGroups:
+        """Stage groups for the plan's hierarchical all-gather (created once)."""
+        if self.plan is None or not self.plan.hierarchical_allgather:
+            raise ValueError("the parallelism plan does not use the hierarchical all-gather")
+        if self._hierarchy is None:
+            self._hierarchy = build_hierarchy_groups(self.plan, rank=self.rank)
+        return self._hierarchy
 
     def micro_step(self, model: torch.nn.Module, *, boundary: bool):
         """Context for one micro-step; see :mod:`dtrain.runtime.distributed.accumulation`."""
@@ -165,17 +177,6 @@ class RuntimeContext:
         """Micro-steps of ``gradient_accumulation_steps`` (or ``steps``) per optimizer step."""
         return accumulation.accumulate(
             model, batches, steps=steps or self.config.gradient_accumulation_steps
-        )
-
-
-def validate_sharding_degree(degree: int, *, world_size: int) -> None:
-    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
-        raise ValueError(f"sharding_degree must be an integer >= 1, got {degree!r}")
-    if world_size % degree:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ValueError(
-            f"sharding_degree={degree} does not divide the world size {world_size}; use one of "
-            f"{divisors} (1 = DDP, {world_size} = ZeRO-3, between = MiCS)"
         )
 
 
@@ -198,8 +199,9 @@ def init(
     """Join the job's process group and describe this process (see the module docstring).
 
     Reuses an already initialised default process group, so several configurations can run in
-    one group (tests, benchmarks). With an integer ``sharding_degree`` the mesh is built here;
-    ``"auto"`` needs the model's size and is resolved by :func:`dtrain.runtime.shard`.
+    one group (tests, benchmarks). The mesh is built here from the job's parallelism plan;
+    ``sharding_degree: auto`` without a planned size needs the model's and is resolved by
+    :func:`dtrain.runtime.shard`.
     """
     config = DistributionConfig.resolve(distribution)
     facts = ProcessFacts.from_env()
@@ -222,8 +224,18 @@ def init(
         comm_stats=stats,
         **_contract_paths(),
     )
-    if config.sharding_degree != "auto":
-        ctx.build_mesh(config.sharding_degree)
+    plan = config.parallelism
+    if plan is not None and (plan.world_size, plan.devices_per_node) != (
+            facts.world_size, facts.local_world_size):
+        logging.getLogger(__name__).warning(
+            "the job's parallelism plan is for %d ranks, %d per node, but %d run here, %d per "
+            "node (local_gpu uses every GPU it finds); planning again for this world",
+            plan.world_size, plan.devices_per_node, facts.world_size, facts.local_world_size)
+        plan = None
+    if plan is None:  # a script run by hand, sharding_degree auto, or another world
+        plan = ctx.build_plan()
+    if plan is not None:
+        ctx.build_mesh(plan)
     return ctx
 
 

@@ -1,6 +1,6 @@
 """``dtrain.runtime.shard()``: MiCS sharded data parallelism on FSDP2.
 
-The ("replicate", "shard") mesh's shard axis is a MiCS partition group: parameters, gradients
+The plan's ``dp_shard`` mesh axis is a MiCS partition group: parameters, gradients
 and optimizer states are sharded inside it and replicated across groups. ``fully_shard`` is
 applied per transformer block, then on the root (torchtitan's order), so a block's parameters
 are gathered just before it runs and freed after.
@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable
 
 import torch
-from dtrain.core.parallelism import choose_sharding_degree
+from dtrain.core.parallelism import ParallelismPlan
 from dtrain.runtime.distributed.collectives import HierarchicalAllGather
 from dtrain.runtime.distributed.context import RuntimeContext
 from torch import nn
@@ -45,10 +45,8 @@ def shard(
     context's distribution settings. A model built on the meta device is materialised on
     ``ctx.device`` after sharding and initialised with its ``init_weights()``.
     """
-    degree = _resolve_degree(model, ctx, sharding_degree)
-    mesh = ctx.build_mesh(degree)
-    # A replicate axis of size 1 would add a no-op all-reduce per layer: ZeRO-3 uses "shard".
-    fsdp_mesh = mesh["shard"] if mesh.size(0) == 1 else mesh
+    ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
+    fsdp_mesh = ctx.data_parallel_mesh
     policy = build_mixed_precision_policy(
         mixed_precision or ctx.config.mixed_precision, device=ctx.device
     )
@@ -64,24 +62,21 @@ def shard(
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
-    _configure_collectives(model, ctx, degree)
+    _configure_collectives(model, ctx)
     _materialize_if_meta(model, ctx)
     return model
 
 
-def _resolve_degree(model: nn.Module, ctx: RuntimeContext, override: int | None) -> int:
-    if override is not None:
-        return override
-    if ctx.sharding_degree is not None:
-        return ctx.sharding_degree
-    if ctx.config.sharding_degree != "auto":
-        return int(ctx.config.sharding_degree)
-    return choose_sharding_degree(
-        num_parameters=sum(p.numel() for p in model.parameters()),
-        world_size=ctx.world_size,
-        gpus_per_node=ctx.local_world_size,
-        device_memory_bytes=device_memory_bytes(ctx),
-    )
+def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
+                  override: int | None) -> ParallelismPlan:
+    """The context's plan; with ``override`` or ``auto`` the same planning function again."""
+    if ctx.plan is not None and (override is None or override == ctx.plan.dp_shard):
+        return ctx.plan
+    plan = ctx.build_plan(sharding_degree=override,
+                          num_parameters=sum(p.numel() for p in model.parameters()),
+                          device_memory_bytes=device_memory_bytes(ctx))
+    assert plan is not None  # auto with a parameter count and a memory size always resolves
+    return plan
 
 
 def device_memory_bytes(ctx: RuntimeContext) -> float:
@@ -152,14 +147,14 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
     return wrapped
 
 
-def _configure_collectives(model: nn.Module, ctx: RuntimeContext, degree: int) -> None:
+def _configure_collectives(model: nn.Module, ctx: RuntimeContext) -> None:
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if ctx.backend == "gloo":
         # gloo has no ReduceOp.AVG: reduce with SUM and let FSDP2 divide afterwards.
         for module in fsdp_modules:
             module.set_force_sum_reduction_for_comms(True)
-    if ctx.hierarchical_allgather_enabled(degree):
-        comm = HierarchicalAllGather(ctx.hierarchy_groups(degree))
+    if ctx.plan.hierarchical_allgather:
+        comm = HierarchicalAllGather(ctx.hierarchy_groups())
         for module in fsdp_modules:
             module.set_custom_all_gather(comm)
 

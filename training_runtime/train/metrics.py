@@ -33,8 +33,8 @@ from typing import Any, TextIO
 
 import torch
 from dtrain.core import instances
+from dtrain.core.flops import flops_per_token
 from dtrain.core.metrics_format import format_metrics
-from dtrain.planning.costmodel import flops_per_token
 
 INSTANCE_TYPE_ENV = "DTRAIN_INSTANCE_TYPE"
 PEAK_TFLOPS_ENV = "DTRAIN_PEAK_TFLOPS"

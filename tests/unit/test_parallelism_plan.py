@@ -1,0 +1,83 @@
+"""The parallelism plan (dtrain.core.parallelism): one function owns every degree and decision."""
+
+from __future__ import annotations
+
+import pytest
+from dtrain.core.parallelism import ParallelismError, ParallelismPlan, build_parallelism_plan
+
+
+def _plan(world=24, per_node=8, **distribution):
+    return build_parallelism_plan(distribution, world_size=world, devices_per_node=per_node)
+
+
+def test_three_p4d_nodes_at_degree_12_plan_a_flat_all_gather_under_auto():
+    # 12 ranks span 1.5 nodes: the two-stage all-gather needs whole nodes, so auto is off
+    plan = _plan(sharding_degree=12)
+    assert (plan.dp_replicate, plan.dp_shard, plan.shard_group_spans_nodes) == (2, 12, True)
+    assert plan.hierarchical_allgather is False
+
+
+def test_hierarchical_true_on_a_group_of_one_and_a_half_nodes_is_refused_naming_the_field():
+    with pytest.raises(ParallelismError, match=r"^distribution\.hierarchical_allgather: true "
+                       r"needs partition groups of whole nodes.*use sharding_degree 8, 24"):
+        _plan(sharding_degree=12, hierarchical_allgather=True)
+
+
+def test_auto_turns_the_hierarchical_all_gather_on_for_whole_node_groups_with_backend_auto():
+    assert _plan(32, sharding_degree=16).hierarchical_allgather is True
+    assert _plan(32, sharding_degree=16, backend="nccl").hierarchical_allgather is False
+    assert _plan(32, sharding_degree=16, backend="gloo").hierarchical_allgather is False
+    assert _plan(32, sharding_degree=8).hierarchical_allgather is False  # inside a node
+
+
+def test_auto_degree_is_deferred_without_a_model_and_resolved_the_same_way_with_one():
+    assert _plan(sharding_degree="auto") is None
+    # 7B parameters * 16 bytes = 112 GB: two 40 GiB devices are not enough (32 GiB usable
+    # each), four are; the smallest node-aligned group that fits, and on the same rule the
+    # all-gather decision
+    plan = build_parallelism_plan({"sharding_degree": "auto"}, world_size=24,
+                                  devices_per_node=8, num_parameters=int(7e9),
+                                  device_memory_bytes=40 * 2**30)
+    assert plan.dp_shard == 4 and plan.hierarchical_allgather is False
+    plan = build_parallelism_plan({"sharding_degree": "auto"}, world_size=16,
+                                  devices_per_node=8, num_parameters=int(20e9),
+                                  device_memory_bytes=40 * 2**30)
+    assert plan.dp_shard == 16 and plan.hierarchical_allgather is True
+
+
+@pytest.mark.parametrize("degree, message", [
+    (0, "got 0; use 1 for plain data parallel"),
+    (5, "5 does not divide the world size 24; use one of 1, 2, 3, 4, 6, 8, 12, 24"),
+    (48, "48 exceeds the world size 24"),
+])
+def test_degrees_that_make_no_plan_name_the_field_and_the_fix(degree, message):
+    with pytest.raises(ParallelismError, match=r"^distribution\.sharding_degree: ") as info:
+        _plan(sharding_degree=degree)
+    assert message in str(info.value)
+
+
+def test_full_is_zero3_and_one_is_ddp():
+    assert _plan(sharding_degree="full").strategy == "ZeRO-3"
+    assert _plan(sharding_degree=1).strategy == "DDP"
+    assert _plan(sharding_degree=4).strategy == "MiCS"
+
+
+def test_mesh_axes_outermost_first_and_a_rank_s_coordinates():
+    plan = build_parallelism_plan({"sharding_degree": 2, "tensor_parallel_degree": 2,
+                                   "pipeline_parallel_degree": 2},
+                                  world_size=16, devices_per_node=4)
+    assert plan.mesh_axis_names == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert plan.mesh_shape == (2, 2, 2, 2)
+    assert plan.coordinates(13) == {"pp": 1, "dp_replicate": 1, "dp_shard": 0, "tp": 1}
+    assert plan.dp_rank(13) == 2
+    assert plan.shard_group(13) == [13, 15]
+
+
+def test_tensor_parallel_groups_stay_inside_a_node():
+    with pytest.raises(ParallelismError, match=r"^distribution\.tensor_parallel_degree: 3"):
+        build_parallelism_plan({"tensor_parallel_degree": 3}, world_size=8, devices_per_node=4)
+
+
+def test_a_plan_travels_as_a_dict_and_comes_back_equal():
+    plan = _plan(32, sharding_degree=16)
+    assert ParallelismPlan.from_dict(plan.to_dict()) == plan
