@@ -12,11 +12,11 @@ so the job runs dtrain's node agent with the same container contract as every ot
 from __future__ import annotations
 
 import json
-import re
 import sys
 import warnings
 from typing import Any
 
+from dtrain.core import names
 from dtrain.core.errors import DtrainError
 
 # Arguments the SageMaker SDK accepts that have no meaning for dtrain; accepted and ignored.
@@ -89,7 +89,7 @@ class PyTorch:
         if self.py_version:
             sm["py_version"] = self.py_version
         data: dict[str, Any] = {
-            "name": _spec_name(self.base_job_name or self.entry_point),
+            "name": names.from_entry_point(self.base_job_name or self.entry_point),
             "entry_point": self.entry_point, "source_dir": self.source_dir,
             "hyperparameters": self.hyperparameters,
             "compute": {"target": "sagemaker", "instance_type": self.instance_type,
@@ -183,11 +183,6 @@ class PyTorch:
 
     def stop(self) -> None:
         self._launcher_obj().stop(self.latest_training_job)
-
-
-def _spec_name(base: str) -> str:
-    stem = base.rsplit("/", 1)[-1].removesuffix(".py")
-    return re.sub(r"[^A-Za-z0-9]+", "-", stem).strip("-")[:40].strip("-") or "dtrain-job"
 
 
 def _channels(inputs: Any) -> dict[str, str]:

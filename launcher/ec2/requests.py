@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from dtrain import __version__
 from dtrain.core.errors import SpecError
 from dtrain.launcher.base import runtime_settings
+from dtrain.launcher.ec2 import layout
 
 if TYPE_CHECKING:
     from dtrain.planning.planner import Plan
@@ -284,12 +285,12 @@ def node_config(plan: Plan, job: str) -> dict[str, Any]:
         "launch_token": placeholder("launch_token"),
         "region": spec.ec2.region,
         "max_run": spec.compute.max_run,
-        "source": None if spec.is_recipe else f"{prefix}/source/{SOURCE_ARCHIVE}",
+        "source": None if spec.is_recipe else layout.source_uri(prefix, SOURCE_ARCHIVE),
         "settings": asdict(runtime_settings(plan, job_name=job, instance_type=plan.instance.name,
                                             processes_per_host=plan.processes_per_node)),
         "hyperparameters": spec.hyperparameters,
         "channels": dict(spec.inputs),
-        "checkpoint_uri": spec.checkpoint.uri or f"{prefix}/checkpoints",
+        "checkpoint_uri": layout.checkpoint_uri(prefix, spec.checkpoint.uri),
         "environment": dict(spec.environment),
         "image_uri": spec.ec2.image_uri,
     }
@@ -302,7 +303,7 @@ def render_user_data(plan: Plan, job: str, rank: int) -> str:
     prefix = job_prefix(plan, job)
     values = {
         "NODE_RANK": str(rank),
-        "WHEEL_URI": f"{prefix}/source/{WHEEL_NAME}",
+        "WHEEL_URI": layout.source_uri(prefix, WHEEL_NAME),
         "SHUTDOWN_AFTER_MIN": str((plan.spec.compute.max_run + SHUTDOWN_MARGIN_S + 59) // 60),
         "JOB_CONFIG": config,
     }

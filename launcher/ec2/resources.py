@@ -9,12 +9,12 @@ and whatever is still in use is reported for the next call instead of waited for
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from dtrain.core import s3 as s3_uri
 from dtrain.core.errors import DtrainError
 from dtrain.jobs.store import (
     COMPLETED,
@@ -26,6 +26,7 @@ from dtrain.jobs.store import (
     STOPPING,
 )
 from dtrain.launcher import aws
+from dtrain.launcher.ec2 import layout
 from dtrain.launcher.ec2 import requests as req
 
 LIVE_STATES = ("pending", "running", "stopping", "stopped", "shutting-down")
@@ -336,13 +337,9 @@ def clear_ended_job(ec2: Any, job: str, *, launch: str | None,
 
 def read_status_objects(s3: Any, prefix: str) -> list[dict[str, Any]]:
     """Each node's ``{prefix}/status/<host>.json``, in rank order."""
-    from dtrain.launcher.ec2.node.bootstrap import list_keys, split_s3
-
-    bucket, _ = split_s3(prefix)
-    nodes = []
-    for key in list_keys(s3, f"{prefix}/status/"):
-        if key.endswith(".json"):
-            nodes.append(json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read()))
+    bucket, _ = s3_uri.split(prefix)
+    nodes = [layout.read_json(s3, bucket, key)
+             for key in layout.list_keys(s3, layout.status_folder(prefix)) if key.endswith(".json")]
     return sorted(nodes, key=lambda n: n.get("rank", 0))
 
 
@@ -390,12 +387,10 @@ def _state(status: str | None, reason: str | None = None,
 def new_log_lines(s3: Any, prefix: str, seen: dict[str, int], *, host: str | None,
                   rank: int | None) -> Iterator[str]:
     """Lines added since the last call to each log object (``seen`` holds the offsets)."""
-    from dtrain.launcher.ec2.node.bootstrap import list_keys, split_s3
-
-    bucket, _ = split_s3(prefix)
-    root = f"{split_s3(prefix)[1]}/logs/"
-    for key in sorted(list_keys(s3, f"{prefix}/logs/")):
-        node, _, name = key[len(root):].partition("/")
+    folder = layout.logs_folder(prefix)
+    bucket, root = s3_uri.split(folder)
+    for key in sorted(layout.list_keys(s3, folder)):
+        node, _, name = key[len(root):].lstrip("/").partition("/")
         if host is not None and node != host:
             continue
         if rank is not None and name.split(".")[0] != f"rank-{rank}":

@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 
 REQUEST_FILE = "request.json"
 AGENT_LOG = "agent.log"
-DEFAULT_GRACE_PERIOD_S = 30
-GRACE_PERIOD_ENV = "DTRAIN_STOP_GRACE_PERIOD"  # seconds workers get between SIGTERM and SIGKILL
 _RANK_PREFIX = re.compile(r"^\[(\S+) (\d+)\]:")
 
 
@@ -54,7 +52,8 @@ class LocalLauncher(Launcher):
     def __init__(self, *, s3_client: Any = None, grace_period_s: int | None = None):
         self._s3 = s3_client
         if grace_period_s is None:
-            grace_period_s = int(os.environ.get(GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S))
+            grace_period_s = int(os.environ.get(contract.GRACE_PERIOD_ENV,
+                                                contract.DEFAULT_GRACE_PERIOD_S))
         self.grace_period_s = grace_period_s
 
     # ---------------------------------------------------------------- request

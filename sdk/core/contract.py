@@ -30,6 +30,9 @@ MASTER_ADDR_ENV = "DTRAIN_MASTER_ADDR"
 MASTER_PORT_ENV = "DTRAIN_MASTER_PORT"
 DEFAULT_MASTER_PORT = 29500
 RECIPE_PREFIX = "recipe:"
+# Seconds workers get between SIGTERM and SIGKILL when a job is stopped (local target, agent).
+GRACE_PERIOD_ENV = "DTRAIN_STOP_GRACE_PERIOD"
+DEFAULT_GRACE_PERIOD_S = 30
 RECIPE_PACKAGE = "dtrain.runtime.recipes"
 # Exit code of a worker that stopped after a checkpoint because of SIGTERM (the Trainer's recipes),
 # and of a node agent whose workers all did so: 128 + SIGTERM, what a SIGTERMed process reports.

@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from dtrain.core import contract, instances
+from dtrain.core import contract, instances, names, s3
 from dtrain.core.errors import SpecError, SpecWarning
 from dtrain.spec.smp import translate_distribution
 from pydantic import (
@@ -29,31 +29,13 @@ from pydantic import (
     model_validator,
 )
 
-RECIPE_PREFIX = "recipe:"
 RESERVED_HP_PREFIXES = ("dtrain_", "sagemaker_")
-_S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?$")
-_JOB_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,39}$")
 _CHANNEL = re.compile(r"^[A-Za-z0-9.\-_]{1,64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ROLE_ARN = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/[\w+=,.@\-/]{1,512}$")
 _CIDR = re.compile(r"^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})/(\d{1,2})$")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def is_s3_uri(value: str) -> bool:
-    """True for anything meant as an S3 location (well-formed or not: ``check_s3_uri`` says)."""
-    return isinstance(value, str) and value[:3].lower() == "s3:"
-
-
-def check_s3_uri(value: str, field: str) -> str:
-    """Return ``value`` if it is a well-formed ``s3://bucket/key`` URI, else raise ValueError."""
-    if not _S3_URI.match(value) or "//" in value[5:] or ".." in value[5:].split("/")[0]:
-        raise ValueError(
-            f"{field}: {value!r} is not a valid S3 URI; write it as s3://bucket-name/prefix "
-            "(bucket names are 3-63 lowercase letters, digits, dots or hyphens)"
-        )
-    return value
 
 
 def _parse_duration(value: Any) -> Any:
@@ -334,12 +316,7 @@ class JobSpec(_Model):
     @field_validator("name")
     @classmethod
     def _job_name(cls, value: str | None) -> str | None:
-        if value is not None and not _JOB_NAME.match(value):
-            raise ValueError(
-                f"{value!r} is not a valid job name; use 1-40 letters, digits and hyphens, "
-                "starting with a letter or digit"
-            )
-        return value
+        return value if value is None else names.check(value)
 
     @field_validator("hyperparameters")
     @classmethod
@@ -364,8 +341,8 @@ class JobSpec(_Model):
                 raise ValueError(
                     f"channel name {channel!r} is invalid; use up to 64 letters, digits, . - _"
                 )
-            if is_s3_uri(uri):
-                check_s3_uri(uri, f"inputs.{channel}")
+            if s3.is_s3_uri(uri):
+                s3.check(uri, f"inputs.{channel}")
         return value
 
     @field_validator("environment")
@@ -403,7 +380,7 @@ class JobSpec(_Model):
 
     @property
     def is_recipe(self) -> bool:
-        return self.entry_point.startswith(RECIPE_PREFIX)
+        return self.entry_point.startswith(contract.RECIPE_PREFIX)
 
     @property
     def world_size(self) -> int:
@@ -412,9 +389,3 @@ class JobSpec(_Model):
     def to_dict(self) -> dict[str, Any]:
         """The validated spec as plain JSON-compatible data (round-trips through from_dict)."""
         return self.model_dump(mode="json")
-
-    def to_model_trainer(self) -> Any:
-        """The equivalent ``sagemaker.train.ModelTrainer`` (needs the ``sagemaker`` extra)."""
-        from dtrain.sagemaker import to_model_trainer
-
-        return to_model_trainer(self)

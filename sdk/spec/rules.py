@@ -7,11 +7,10 @@ folder of a bare script path, a default job name), so later layers see one canon
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dtrain.core import instances
+from dtrain.core import contract, instances, names, s3
 from dtrain.core.parallelism import ParallelismError, build_parallelism_plan
 
 if TYPE_CHECKING:
@@ -31,7 +30,7 @@ def check_spec(spec: JobSpec, base_dir: Path) -> tuple[list[str], list[str]]:
         rule(spec, base_dir, problems, notes)
     _paths_fit_target(spec, base_dir, problems)
     if spec.name is None:
-        spec.name = _default_name(spec.entry_point)
+        spec.name = names.from_entry_point(spec.entry_point)
     return problems, notes
 
 
@@ -101,21 +100,19 @@ def _spot_settings(spec, base_dir, problems, notes) -> None:
 
 
 def _entry_point(spec, base_dir, problems, notes) -> None:
-    from dtrain.spec.model import RECIPE_PREFIX, is_s3_uri
-
     entry = spec.entry_point
-    if entry.startswith(RECIPE_PREFIX):
-        name = entry[len(RECIPE_PREFIX):]
+    if entry.startswith(contract.RECIPE_PREFIX):
+        name = entry[len(contract.RECIPE_PREFIX):]
         if name not in RECIPES:
             problems.append(
                 f"entry_point: unknown recipe {name!r}; built-in recipes: "
-                + ", ".join(RECIPE_PREFIX + r for r in RECIPES)
+                + ", ".join(contract.RECIPE_PREFIX + r for r in RECIPES)
             )
         return
     if spec.source_dir is None:
         script = _resolve(base_dir, entry)
         spec.source_dir, spec.entry_point = str(script.parent), script.name
-    elif is_s3_uri(spec.source_dir):
+    elif s3.is_s3_uri(spec.source_dir):
         return  # a packed sourcedir.tar.gz: its contents are checked where it was built
     else:
         spec.source_dir = str(_resolve(base_dir, spec.source_dir))
@@ -156,11 +153,9 @@ def _target_settings(spec, base_dir, problems, notes) -> None:
 
 
 def _paths_fit_target(spec, base_dir: Path, problems: list[str]) -> None:
-    from dtrain.spec.model import check_s3_uri, is_s3_uri
-
     cloud = spec.compute.target != "local"
     for channel, uri in list(spec.inputs.items()):
-        if is_s3_uri(uri):
+        if s3.is_s3_uri(uri):
             continue
         if cloud:
             problems.append(
@@ -181,11 +176,11 @@ def _paths_fit_target(spec, base_dir: Path, problems: list[str]) -> None:
             )
         elif value is None:
             continue
-        elif cloud and not is_s3_uri(value):
+        elif cloud and not s3.is_s3_uri(value):
             problems.append(f"{field}: {value!r} must be an s3:// URI for {spec.compute.target}")
-        elif is_s3_uri(value):
+        elif s3.is_s3_uri(value):
             try:
-                check_s3_uri(value, field)
+                s3.check(value, field)
                 if not cloud:
                     problems.append(
                         f"{field}: {value!r}: local jobs write to a local folder; give a path"
@@ -213,9 +208,3 @@ def _exists(path: Path) -> bool:
         return path.exists()
     except (OSError, ValueError):
         return False
-
-
-def _default_name(entry_point: str) -> str:
-    stem = Path(entry_point.split(":", 1)[-1]).stem
-    name = re.sub(r"[^A-Za-z0-9]+", "-", stem).strip("-")[:40].strip("-")
-    return name or "dtrain-job"

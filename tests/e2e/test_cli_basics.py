@@ -63,7 +63,10 @@ def test_plan_json_resolves_the_mesh(spec_file):
                     "compute.instance_count=2", "--set", "output_path=s3://dtrain-bucket/o")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["world_size"] == 16 and data["mesh"] == {"replicate": 16, "shard": 1}
+    assert data["world_size"] == 16
+    plan = data["parallelism"]
+    assert plan["mesh_axis_names"] == ["pp", "dp_replicate", "dp_shard", "tp"]
+    assert plan["mesh_shape"] == [1, 16, 1, 1] and plan["strategy"] == "DDP"
     assert data["max_run_cost"] == pytest.approx(2 * 32.7726 * 24)
 
 

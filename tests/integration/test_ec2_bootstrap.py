@@ -20,6 +20,7 @@ from pathlib import Path
 import boto3
 import pytest
 from dtrain.core import contract
+from dtrain.core import s3 as s3_uri
 from dtrain.launcher.ec2 import requests as req
 from dtrain.launcher.ec2.node import bootstrap as boot
 from dtrain.planning.planner import plan
@@ -91,9 +92,9 @@ def upload_artifacts(s3, config: dict) -> None:
         info = tarfile.TarInfo("train.py")
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
-    bucket, key = boot.split_s3(config["source"])
+    bucket, key = s3_uri.split(config["source"])
     s3.put_object(Bucket=bucket, Key=key, Body=buffer.getvalue())
-    bucket, key = boot.split_s3(config["channels"]["train"])
+    bucket, key = s3_uri.split(config["channels"]["train"])
     s3.put_object(Bucket=bucket, Key=f"{key}/shard-0.jsonl", Body=b"{}\n")
 
 

@@ -91,7 +91,7 @@ def test_to_model_trainer_without_the_sdk_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "sagemaker", None)  # as if the extra were not installed
     spec = estimator().to_spec()
     with pytest.raises(DtrainError, match=r"pip install 'dtrain\[sagemaker\]'"):
-        spec.to_model_trainer()  # the JobSpec method delegates to dtrain.sagemaker
+        to_model_trainer(spec)
 
 
 @pytest.mark.sagemaker_sdk

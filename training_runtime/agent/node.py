@@ -28,8 +28,6 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 logger = logging.getLogger("dtrain.runtime.agent.node")
 
-DEFAULT_GRACE_PERIOD_S = 30
-GRACE_PERIOD_ENV = "DTRAIN_STOP_GRACE_PERIOD"
 FAILURE_TAIL_LINES = 20
 
 
@@ -401,7 +399,7 @@ def _install_signal_handlers(max_run: int | None) -> dict:
 
 
 def grace_period_from_env() -> int:
-    return int(os.environ.get(GRACE_PERIOD_ENV, DEFAULT_GRACE_PERIOD_S))
+    return int(os.environ.get(c.GRACE_PERIOD_ENV, c.DEFAULT_GRACE_PERIOD_S))
 
 
 def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dtrain.core import contract
 from dtrain.core.parallelism import ParallelismPlan, build_parallelism_plan
 from dtrain.runtime.distributed import accumulation, comm_stats
 from dtrain.runtime.distributed.collectives import HierarchyGroups, build_hierarchy_groups
@@ -34,7 +35,6 @@ from dtrain.runtime.distributed.config import DistributionConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DEFAULT_TIMEOUT_S = 1800.0
-DEFAULT_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 
 
 @dataclass(frozen=True)
@@ -306,14 +306,15 @@ def _node_groups(facts: ProcessFacts) -> tuple[dist.ProcessGroup, dist.ProcessGr
 
 def _contract_paths(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if environ is None else environ
+    default = contract.Paths(contract.DEFAULT_ROOT)
     channels = {
         key[len("SM_CHANNEL_") :].lower(): Path(value)
         for key, value in env.items()
         if key.startswith("SM_CHANNEL_")
     }
     return {
-        "model_dir": Path(env.get("SM_MODEL_DIR", "/opt/ml/model")),
-        "output_data_dir": Path(env.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data")),
-        "checkpoint_dir": Path(env.get("DTRAIN_CHECKPOINT_DIR", DEFAULT_CHECKPOINT_DIR)),
+        "model_dir": Path(env.get("SM_MODEL_DIR", default.model_dir)),
+        "output_data_dir": Path(env.get("SM_OUTPUT_DATA_DIR", default.output_data_dir)),
+        "checkpoint_dir": Path(env.get(contract.CHECKPOINT_DIR_ENV, default.checkpoints_dir)),
         "channels": channels,
     }

@@ -29,7 +29,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from dtrain.core import contract
+from dtrain.core import contract, s3
+from dtrain.launcher.ec2 import layout
 
 IMDS = "http://169.254.169.254/latest"
 LOG_SYNC_S = 30
@@ -44,11 +45,6 @@ class Node:
     instance_id: str
     root: str
     work_dir: str
-
-
-def split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    return bucket, key
 
 
 def imds(path: str) -> str:
@@ -76,62 +72,49 @@ def default_interface() -> str:
 
 # ---------------------------------------------------------------- S3 helpers
 
-def put_json(s3, uri: str, body: dict) -> None:
-    bucket, key = split_s3(uri)
-    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(body, sort_keys=True).encode(),
-                  ContentType="application/json")
-
-
-def list_keys(s3, uri: str) -> list[str]:
-    bucket, prefix = split_s3(uri)
-    keys: list[str] = []
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        keys += [item["Key"] for item in page.get("Contents", [])]
-    return keys
-
-
-def download_prefix(s3, uri: str, folder: str) -> None:
-    bucket, prefix = split_s3(uri.rstrip("/") + "/")
-    for key in list_keys(s3, f"s3://{bucket}/{prefix}"):
-        target = os.path.join(folder, key[len(prefix):])
+def download_prefix(client, uri: str, folder: str) -> None:
+    bucket, prefix = s3.split(uri)
+    for key in layout.list_keys(client, uri):
+        target = os.path.join(folder, key[len(prefix):].lstrip("/"))
         if key.endswith("/"):
             continue
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        s3.download_file(bucket, key, target)
+        client.download_file(bucket, key, target)
 
 
-def upload_dir(s3, folder: str, uri: str) -> int:
-    bucket, prefix = split_s3(uri.rstrip("/") + "/")
+def upload_dir(client, folder: str, uri: str) -> int:
     count = 0
     for base, _dirs, files in os.walk(folder):
         for name in files:
             path = os.path.join(base, name)
-            s3.upload_file(path, bucket, prefix + os.path.relpath(path, folder).replace(os.sep, "/"))
+            bucket, key = s3.split(s3.join(uri, os.path.relpath(path, folder).replace(os.sep, "/")))
+            client.upload_file(path, bucket, key)
             count += 1
     return count
 
 
 # ---------------------------------------------------------------- steps
 
-def write_status(s3, config: dict, node: Node, state: str, **extra: Any) -> None:
-    put_json(s3, f"{config['prefix']}/status/{node.private_ip}.json", {
+def write_status(client, config: dict, node: Node, state: str, **extra: Any) -> None:
+    layout.put_json(client, layout.status_uri(config["prefix"], node.private_ip), {
         "host": node.private_ip, "rank": node.rank, "instance_id": node.instance_id,
         "state": state, "updated": time.time(), **extra,
     })
 
 
-def rendezvous(s3, config: dict, node: Node, *, timeout_s: float, poll_s: float) -> list[str]:
+def rendezvous(client, config: dict, node: Node, *, timeout_s: float,
+               poll_s: float) -> list[str]:
     """Private IPs of every node in rank order, once all of them have checked in."""
-    folder = f"{config['prefix']}/rendezvous/{config['launch_token']}"
-    put_json(s3, f"{folder}/{node.rank}.json",
-             {"rank": node.rank, "ip": node.private_ip, "instance_id": node.instance_id})
+    folder = layout.rendezvous_folder(config["prefix"], config["launch_token"])
+    layout.put_json(client, s3.join(folder, f"{node.rank}.json"),
+                    {"rank": node.rank, "ip": node.private_ip, "instance_id": node.instance_id})
     deadline = time.monotonic() + timeout_s
     want = config["num_nodes"]
     while True:
-        keys = [k for k in list_keys(s3, folder + "/") if k.endswith(".json")]
+        keys = [k for k in layout.list_keys(client, folder) if k.endswith(".json")]
         if len(keys) >= want:
-            bucket, _ = split_s3(folder)
-            peers = [json.loads(s3.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in keys]
+            bucket, _ = s3.split(folder)
+            peers = [layout.read_json(client, bucket, k) for k in keys]
             return [p["ip"] for p in sorted(peers, key=lambda p: p["rank"])][:want]
         if time.monotonic() > deadline:
             raise TimeoutError(f"rendezvous: {len(keys)} of {want} nodes checked in within "
@@ -140,26 +123,23 @@ def rendezvous(s3, config: dict, node: Node, *, timeout_s: float, poll_s: float)
 
 
 def checkpoint_uri(config: dict) -> str:
-    """Where the job's checkpoints live in S3: ``checkpoint.uri``, else ``{prefix}/checkpoints``.
-
-    One answer for the download before the agent starts, the upload at the end, and the
-    contract's ``S3Uri`` (which the runtime's interruption line tells the user to resume from).
-    """
-    return config.get("checkpoint_uri") or f"{config['prefix']}/checkpoints"
+    """Where the job's checkpoints live in S3 (the contract's ``S3Uri`` too, which the
+    runtime's interruption line tells the user to resume from)."""
+    return layout.checkpoint_uri(config["prefix"], config.get("checkpoint_uri"))
 
 
-def prepare_contract(s3, config: dict, node: Node, hosts: list[str]) -> contract.Paths:
+def prepare_contract(client, config: dict, node: Node, hosts: list[str]) -> contract.Paths:
     paths = contract.Paths(os.path.abspath(node.root))
     if config.get("source"):
         archive = os.path.join(node.work_dir, "sourcedir.tar.gz")
-        bucket, key = split_s3(config["source"])
-        s3.download_file(bucket, key, archive)
+        bucket, key = s3.split(config["source"])
+        client.download_file(bucket, key, archive)
         os.makedirs(paths.code_dir, exist_ok=True)
         with tarfile.open(archive) as tar:
             tar.extractall(paths.code_dir, filter="data")
     for channel, uri in config["channels"].items():
-        download_prefix(s3, uri, paths.channel_dir(channel))
-    download_prefix(s3, checkpoint_uri(config), paths.checkpoints_dir)  # resume, if any
+        download_prefix(client, uri, paths.channel_dir(channel))
+    download_prefix(client, checkpoint_uri(config), paths.checkpoints_dir)  # resume, if any
     settings = contract.Settings(**config["settings"])
     return contract.write_host_contract(
         node.root, current_host=node.private_ip, hosts=hosts, settings=settings,
@@ -185,14 +165,15 @@ def agent_command(config: dict, node: Node) -> list[str]:
     ]
 
 
-def run_agent(s3, config: dict, node: Node, paths: contract.Paths, command: list[str]) -> int:
+def run_agent(client, config: dict, node: Node, paths: contract.Paths,
+              command: list[str]) -> int:
     env = {**os.environ, **config.get("environment", {})}
-    logs_uri = f"{config['prefix']}/logs/{node.private_ip}"
+    logs_uri = layout.logs_folder(config["prefix"], node.private_ip)
     stop = threading.Event()
 
     def sync_logs() -> None:
         while not stop.wait(LOG_SYNC_S):
-            _quietly(upload_dir, s3, paths.logs_dir, logs_uri)
+            _quietly(upload_dir, client, paths.logs_dir, logs_uri)
 
     syncer = threading.Thread(target=sync_logs, daemon=True)
     syncer.start()
@@ -203,16 +184,17 @@ def run_agent(s3, config: dict, node: Node, paths: contract.Paths, command: list
         syncer.join(timeout=5)
 
 
-def upload_results(s3, config: dict, node: Node, paths: contract.Paths) -> None:
+def upload_results(client, config: dict, node: Node, paths: contract.Paths) -> None:
     prefix = config["prefix"]
-    upload_dir(s3, paths.model_dir, f"{prefix}/model")
-    upload_dir(s3, paths.output_dir, f"{prefix}/output/{node.private_ip}")
-    upload_dir(s3, paths.logs_dir, f"{prefix}/logs/{node.private_ip}")
-    upload_dir(s3, paths.checkpoints_dir, checkpoint_uri(config))
+    upload_dir(client, paths.model_dir, layout.model_folder(prefix))
+    upload_dir(client, paths.output_dir, layout.output_folder(prefix, node.private_ip))
+    upload_dir(client, paths.logs_dir, layout.logs_folder(prefix, node.private_ip))
+    upload_dir(client, paths.checkpoints_dir, checkpoint_uri(config))
     bootstrap_log = os.path.join(node.work_dir, "bootstrap.log")
     if os.path.isfile(bootstrap_log):
-        bucket, key = split_s3(f"{prefix}/logs/{node.private_ip}/bootstrap.log")
-        s3.upload_file(bootstrap_log, bucket, key)
+        bucket, key = s3.split(s3.join(layout.logs_folder(prefix, node.private_ip),
+                                       "bootstrap.log"))
+        client.upload_file(bootstrap_log, bucket, key)
 
 
 def _quietly(func, *args) -> None:
@@ -230,30 +212,30 @@ def _failure_reason(paths: contract.Paths, code: int) -> str:
         return f"node agent exited with code {code}"
 
 
-def run_node(s3, config: dict, node: Node, *, command: list[str] | None = None,
+def run_node(client, config: dict, node: Node, *, command: list[str] | None = None,
              rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S,
              poll_s: float = RENDEZVOUS_POLL_S) -> int:
     """Every step of one node's life; returns the node agent's exit code (1 if it never ran)."""
     paths = contract.Paths(os.path.abspath(node.root))
     os.makedirs(node.work_dir, exist_ok=True)
-    write_status(s3, config, node, "starting")
+    write_status(client, config, node, "starting")
     code, reason = 1, ""
     try:
-        hosts = rendezvous(s3, config, node, timeout_s=rendezvous_timeout_s, poll_s=poll_s)
-        paths = prepare_contract(s3, config, node, hosts)
-        write_status(s3, config, node, "running", hosts=hosts)
-        code = run_agent(s3, config, node, paths, command or agent_command(config, node))
+        hosts = rendezvous(client, config, node, timeout_s=rendezvous_timeout_s, poll_s=poll_s)
+        paths = prepare_contract(client, config, node, hosts)
+        write_status(client, config, node, "running", hosts=hosts)
+        code = run_agent(client, config, node, paths, command or agent_command(config, node))
         reason = "" if code == 0 else _failure_reason(paths, code)
     except Exception as exc:  # noqa: BLE001 - reported in the status object, then shutdown
         reason = f"bootstrap failed on {node.private_ip}: {type(exc).__name__}: {exc}"
         print(f"dtrain: {reason}", file=sys.stderr)
-    _quietly(upload_results, s3, config, node, paths)
+    _quietly(upload_results, client, config, node, paths)
     # 143: this node was SIGTERMed, or its workers stopped after a checkpoint because another
     # node was; 124: max_run was reached. Either way the job is stopped (resubmit to resume), not
     # failed, as on SageMaker and the local target (docs/concepts/container-contract.md).
     state = {0: "completed", contract.PREEMPTED_EXIT_CODE: "stopped",
              contract.MAX_RUN_EXIT_CODE: "stopped"}.get(code, "failed")
-    write_status(s3, config, node, state, exit_code=code, reason=reason)
+    write_status(client, config, node, state, exit_code=code, reason=reason)
     return code
 
 
@@ -274,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     import boto3
     from botocore.config import Config
 
-    s3 = boto3.client("s3", region_name=config.get("region"),
-                      config=Config(retries={"mode": "adaptive"}))
-    return run_node(s3, config, node)
+    client = boto3.client("s3", region_name=config.get("region"),
+                          config=Config(retries={"mode": "adaptive"}))
+    return run_node(client, config, node)
 
 
 if __name__ == "__main__":
