@@ -1,36 +1,138 @@
-"""The Launcher interface every backend implements, and lookup of backends by name.
+"""The interface every backend implements, and lookup of backends by name.
 
-A backend turns a Plan into a request with the pure ``build_request`` (what ``--dry-run``
-prints), sends it with ``submit``, and then answers ``status``/``logs``/``stop`` for the job
-record the store holds. A backend that removes what it created only once the job's machines are
-gone says so through ``pending_cleanup``, so a caller that waits for the job can wait for that
-too. Backends are imported only when used, so ``import dtrain`` stays light.
+A backend is written against this module alone (docs/how-to/add-a-backend.md):
 
-``this_process``/``process_alive`` let a backend whose client process owns a step (the EC2
-launch, until every node runs) tell later whether that process died without finishing it.
+* ``build_request(spec, plan, job)`` is pure: a function of its arguments only (no clock, no
+  I/O, no state). The jobs layer chooses the job's id, name and submission time before it, so
+  ``dtrain submit --dry-run`` prints exactly the :class:`Request` that ``submit`` sends.
+* ``submit(request, journal)`` sends it and returns a :class:`Handle`. A backend never touches
+  the job store: what it learns goes into the :class:`Journal` the jobs layer hands it, as an
+  :class:`Update`; the jobs layer writes it.
+* ``status``/``stop``/``logs`` take the Handle (built by the jobs layer from the store) and
+  return an :class:`Update` (or log lines).
+* Each target's own facts are a typed :class:`TargetState` (``state_type``), stored as JSON.
+
+Backends are imported only when used, so ``import dtrain`` stays light.
 """
 
 from __future__ import annotations
 
-import os
-import socket
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from dtrain.core import contract
 from dtrain.core.errors import DtrainError
-from dtrain.jobs.store import JobRecord, JobStore
+from dtrain.core.states import FINAL_STATUSES
 
 if TYPE_CHECKING:
     from dtrain.planning.planner import Plan
+    from dtrain.spec.model import JobSpec
 
 BACKENDS = {
     "local": "dtrain.launcher.local.launcher:LocalLauncher",
     "sagemaker": "dtrain.launcher.sagemaker.launcher:SageMakerLauncher",
     "ec2": "dtrain.launcher.ec2.launcher:Ec2Launcher",
 }
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """Chosen by the jobs layer before ``build_request``: the store's id, the name the target
+    knows the job by, and when it was submitted (epoch seconds)."""
+
+    id: str
+    name: str
+    submitted_at: float
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A file ``submit`` puts in S3 before it creates the job: ``source`` is a local folder to
+    pack (the job's ``source_dir``), or a file dtrain makes itself (``packaging.WHEEL``,
+    ``packaging.SAGEMAKER_ENTRY_SCRIPT``)."""
+
+    source: str
+    uri: str
+
+
+@dataclass(frozen=True)
+class Request:
+    """Everything ``submit`` sends: the target's own request (``payload``) and the uploads."""
+
+    target: str
+    job: JobIdentity
+    payload: dict[str, Any]
+    uploads: tuple[Upload, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TargetState:
+    """A target's facts about one job (subclassed per target). Stored as the record's JSON
+    ``target_data``; unknown keys (written by another dtrain version) are ignored on read."""
+
+    secondary_status: str | None = None  # finer than the status: "Training", "Interrupted"...
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> TargetState:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in (data or {}).items() if k in names})
+
+    @classmethod
+    def changes(cls, **values: Any) -> dict[str, Any]:
+        """``values`` checked against the fields: what an :class:`Update` merges into the state."""
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+        return values
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What the store knows of a submitted job, as its backend sees it."""
+
+    job: JobIdentity
+    status: str
+    state: TargetState
+    failure_reason: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.status in FINAL_STATUSES
+
+
+@dataclass(frozen=True)
+class Update:
+    """What a backend learnt; the jobs layer writes it. ``None`` leaves a field as it is; a
+    final status never changes again; ``state`` holds changed fields only (merged, also into
+    an ended job's state)."""
+
+    status: str | None = None
+    failure_reason: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    log_location: str | None = None
+    output_location: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class Journal(Protocol):
+    """The jobs layer's write path for a backend that records progress while it works (the
+    EC2 launch records each node as it goes, so a stop meanwhile finds them)."""
+
+    def record(self, update: Update) -> Handle:
+        """Write ``update``; returns the job as stored afterwards."""
+
+    def current(self) -> Handle:
+        """The job as stored now (another process may have changed it, e.g. `dtrain stop`)."""
 
 
 @dataclass(frozen=True)
@@ -45,46 +147,51 @@ class PendingCleanup:
 class Launcher(ABC):
     """One target (local processes, SageMaker training jobs, EC2 instances)."""
 
-    name: str
+    name: ClassVar[str]
+    state_type: ClassVar[type[TargetState]] = TargetState
     # How often a waiting client asks ``status``: the cloud targets' describe calls are
     # rate-limited per account, so they override this with seconds, not half-seconds.
-    poll_s: float = 0.5
+    poll_s: ClassVar[float] = 0.5
+    # Cloud targets keep every job name forever: each submission gets a timestamped one.
+    stamps_job_names: ClassVar[bool] = False
 
     @abstractmethod
-    def build_request(self, plan: Plan) -> dict[str, Any]:
-        """The exact request ``submit`` would send. Pure: no I/O, no clock-dependent ids."""
+    def build_request(self, spec: JobSpec, plan: Plan, job: JobIdentity) -> Request:
+        """The exact request ``submit`` sends. Pure: no I/O, no clock, no state."""
 
     @abstractmethod
-    def submit(self, request: dict[str, Any], *, store: JobStore) -> JobRecord:
-        """Start the job, record it in ``store`` and return the record."""
+    def submit(self, request: Request, journal: Journal) -> Handle:
+        """Start the job; record what is learnt in ``journal`` and return the job's handle.
+
+        On failure, leave nothing behind and raise DtrainError (one line); what the backend
+        recorded stays (the jobs layer marks the job Failed unless it ended otherwise)."""
 
     @abstractmethod
-    def status(self, record: JobRecord, *, store: JobStore) -> JobRecord:
-        """Refresh the record from the target (and write the change to ``store``)."""
+    def status(self, handle: Handle) -> Update:
+        """What changed since ``handle`` (asked of the target)."""
 
     @abstractmethod
-    def logs(self, record: JobRecord, *, follow: bool = False, host: str | None = None,
-             rank: int | None = None) -> Iterator[str]:
-        """The job's log lines, optionally only one host or rank; ``follow`` until it ends."""
+    def logs(self, handle: Handle, *, follow: bool, host: str | None, rank: int | None,
+             ended: Callable[[], bool]) -> Iterator[str]:
+        """The job's log lines (``log_line`` format), optionally only one host or rank;
+        ``follow`` until ``ended()`` says the job is over."""
 
     @abstractmethod
-    def stop(self, record: JobRecord, *, store: JobStore) -> JobRecord:
-        """Ask the job to stop; returns the record (Stopping or already final)."""
+    def stop(self, handle: Handle, journal: Journal) -> Handle:
+        """Ask the job to stop; returns the job as recorded afterwards (Stopping, or final)."""
 
-    def pending_cleanup(self, record: JobRecord) -> PendingCleanup | None:
+    def pending_cleanup(self, handle: Handle) -> PendingCleanup | None:
         """For an ended job: what ``status`` has yet to remove (it retries on each call), or None.
 
-        Reads the record only, no call to the target. By default nothing is left once a job ended.
+        Reads the handle only, no call to the target. By default nothing is left once a job ended.
         """
         return None
 
 
-def runtime_settings(plan: Plan, *, job_name: str, instance_type: str,
-                     processes_per_host: int | None, source_dir: str | None = None):
+def runtime_settings(spec: JobSpec, plan: Plan, *, job_name: str, instance_type: str,
+                     processes_per_host: int | None,
+                     source_dir: str | None = None) -> contract.Settings:
     """The reserved ``dtrain_*`` settings every backend writes into the container contract."""
-    from dtrain.core import contract
-
-    spec = plan.spec
     return contract.Settings(
         entry_point=spec.entry_point, job_name=job_name, instance_type=instance_type,
         source_dir=source_dir, distribution=plan.runtime_distribution(),
@@ -97,71 +204,15 @@ def runtime_settings(plan: Plan, *, job_name: str, instance_type: str,
 
 def get_launcher(name: str, **clients: Any) -> Launcher:
     """The backend for target ``name``; ``clients`` go to its constructor (boto3 clients...)."""
+    return backend_class(name)(**clients)
+
+
+def backend_class(name: str) -> type[Launcher]:
     try:
         module_name, class_name = BACKENDS[name].split(":")
     except KeyError:
         raise DtrainError(f"unknown target {name!r}; use one of {sorted(BACKENDS)}") from None
     try:
-        backend_class = getattr(import_module(module_name), class_name)
+        return getattr(import_module(module_name), class_name)
     except (ImportError, AttributeError) as exc:
         raise DtrainError(f"target {name!r} is not available in this install: {exc}") from None
-    return backend_class(**clients)
-
-
-# ---------------------------------------------------------------- the process that owns a step
-
-def this_process() -> dict[str, Any]:
-    """This process, described well enough to tell later whether it still runs."""
-    pid = os.getpid()
-    return {"host": socket.gethostname(), "pid": pid, "boot_id": _boot_id(),
-            "pid_namespace": _pid_namespace(), "start": _start_ticks(pid)}
-
-
-def process_alive(owner: dict[str, Any] | None) -> bool | None:
-    """Whether the process ``this_process()`` described still runs; None when this machine
-    cannot tell (it ran on another host, or the record predates the description)."""
-    if not owner or owner.get("host") != socket.gethostname():
-        return None
-    if owner.get("boot_id") != _boot_id():
-        return False  # rebooted since: every process of then is gone
-    if owner.get("pid_namespace", _pid_namespace()) != _pid_namespace():
-        # another container on this kernel with the same host name (--net=host, a shared
-        # ~/.dtrain): its pids mean nothing here
-        return None
-    pid = int(owner["pid"])
-    start = _start_ticks(pid)
-    if start is not None or os.path.isdir("/proc"):
-        # a zombie or a later process that got the same pid is not the owner
-        return start is not None and owner.get("start") in (None, start)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _pid_namespace() -> int | None:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def _boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return None
-
-
-def _start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time since boot); None if gone, a zombie, or no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else int(fields[19])

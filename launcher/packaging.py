@@ -1,14 +1,16 @@
-"""Code and runtime delivery for cloud targets (target-neutral: SageMaker now, EC2 later).
+"""Code and runtime delivery for the cloud targets (target-neutral).
 
-* ``pack_source`` makes ``sourcedir.tar.gz`` from ``source_dir``, honouring ``.dtrainignore`` and
-  ``.gitignore`` and never packing ``.git`` or secrets (``.env``, keys, ``.aws/``, credentials);
-  the secrets it skipped are returned so the caller can warn.
+* ``pack_source`` makes ``sourcedir.tar.gz`` from ``source_dir``, honouring ``.gitignore`` and
+  ``.dtrainignore`` in every folder with git's semantics (``pathspec``), never packing ``.git`` or
+  anything that looks like a credential (``SECRET_PATTERNS``, case-insensitive; the secrets it
+  skipped are returned so the caller can warn), and refusing links that leave the folder.
 * ``build_runtime_wheel`` writes a pure-Python wheel of the dtrain that is running, so a stock AWS
   PyTorch image runs ``python -m dtrain.runtime`` after ``pip install --no-deps <wheel>``. The wheel
   is assembled from the import packages' files rather than with ``pip wheel``: that needs no build
   tools, takes milliseconds, and writes no ``build/`` or ``*.egg-info`` into a source checkout.
-* ``upload_file`` / ``delete_objects`` move it to S3 with boto3 (client passed in), with a
-  progress bar on stderr when that is a terminal.
+* ``upload_all`` makes and uploads a request's ``Upload`` list; ``upload_file`` /
+  ``delete_objects`` move files to S3 with boto3 (client passed in), with a progress bar on
+  stderr when that is a terminal.
 """
 
 from __future__ import annotations
@@ -20,23 +22,37 @@ import io
 import os
 import sys
 import tarfile
+import tempfile
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import util as import_util
 from pathlib import Path
 from typing import IO, Any
 
+import pathspec
+from dtrain.core import s3
 from dtrain.core.errors import DtrainError
+from dtrain.launcher.base import Upload
 
 SOURCE_ARCHIVE = "sourcedir.tar.gz"
-IGNORE_FILES = (".dtrainignore", ".gitignore")
+WHEEL = "dtrain-wheel"  # Upload.source of the runtime wheel dtrain builds
+SAGEMAKER_ENTRY_SCRIPT = "sagemaker-entry-script"  # Upload.source of SageMaker's entry script
+# Ignore files, read in every folder with git's semantics (.dtrainignore after .gitignore, so
+# it has the last word; a deeper folder's rules override its parents').
+IGNORE_FILES = (".gitignore", ".dtrainignore")
 # Never packed, whatever the ignore files say.
 ALWAYS_SKIPPED = (".git", "__pycache__", "*.pyc", ".DS_Store")
-# Never packed, and reported: shipping these would leak credentials into S3 and the container.
+# Never packed, and named in a warning: shipping these would leak credentials into S3 and the
+# container. Matched case-insensitively, on the name or (with a "/") on the path's tail.
 SECRET_PATTERNS = (
-    ".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "id_rsa*", "id_dsa*", "id_ecdsa*",
-    "id_ed25519*", ".aws", "credentials", "credentials.json", ".netrc", ".pypirc",
-    ".git-credentials",
+    ".env", ".env.*", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore",
+    "id_rsa*", "id_dsa*", "id_ecdsa*", "id_ed25519*", ".ssh", ".aws", ".gnupg",
+    "credentials", "credentials.json", "*credentials*.json", "service-account*.json",
+    "*-sa-key.json", "client_secret*.json", ".netrc", ".pypirc", ".npmrc", ".git-credentials",
+    ".pgpass", ".htpasswd", ".dockercfg", ".docker/config.json", ".kube/config",
+    ".vault-token", "*.tfstate", "*.tfstate.backup", "secrets.yaml", "secrets.yml",
+    "secrets.json",
 )
 # Source packages of the runtime wheel: import name -> folder inside the wheel.
 WHEEL_PACKAGES = ("dtrain", "dtrain.launcher", "dtrain.runtime")
@@ -50,85 +66,101 @@ class PackedSource:
     skipped_secrets: list[str] = field(default_factory=list)
 
 
-# ------------------------------------------------------------------ ignore patterns
+# ------------------------------------------------------------------ what gets packed
 
-@dataclass(frozen=True)
-class _Rule:
-    pattern: str
-    negate: bool
-    dir_only: bool
-    anchored: bool
-
-
-def _read_rules(source: Path) -> list[_Rule]:
-    """gitignore-style rules: ``#`` comments, ``!`` negation, ``dir/``, ``/anchored``, ``**``."""
-    rules = []
-    for name in IGNORE_FILES:
-        path = source / name
-        if not path.is_file():
-            continue
-        for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            negate = line.startswith("!")
-            line = line[1:] if negate else line
-            dir_only = line.endswith("/")
-            line = line.rstrip("/")
-            anchored = line.startswith("/") or "/" in line
-            rules.append(_Rule(line.lstrip("/"), negate, dir_only, anchored))
-    return rules
+def is_secret(rel: str) -> bool:
+    """True for a path that looks like a credential file (case-insensitive)."""
+    rel = rel.rstrip("/").lower()
+    name = rel.rsplit("/", 1)[-1]
+    for pattern in SECRET_PATTERNS:
+        if "/" in pattern:
+            if rel == pattern or rel.endswith("/" + pattern):
+                return True
+        elif fnmatch.fnmatchcase(name, pattern):
+            return True
+    return False
 
 
-def _matches(rule: _Rule, rel: str, is_dir: bool) -> bool:
-    if rule.dir_only and not is_dir:
-        return False
-    if rule.anchored:
-        pattern = rule.pattern
-        return fnmatch.fnmatchcase(rel, pattern) or (
-            pattern.startswith("**/") and fnmatch.fnmatchcase(rel, pattern[3:]))
-    return fnmatch.fnmatchcase(rel.rsplit("/", 1)[-1], rule.pattern)
+class _IgnoreRules:
+    """The ignore files of every folder seen so far, applied as git does."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, pathspec.GitIgnoreSpec] = {}
+
+    def read(self, folder: Path, rel: str) -> None:
+        lines: list[str] = []
+        for name in IGNORE_FILES:
+            path = folder / name
+            if path.is_file():
+                lines += path.read_text(encoding="utf-8", errors="replace").splitlines()
+        if lines:
+            self._specs[rel] = pathspec.GitIgnoreSpec.from_lines(lines)
+
+    def ignored(self, rel: str, *, is_dir: bool) -> bool:
+        parts = rel.split("/")
+        verdict = None
+        for depth in range(len(parts)):  # the root's rules first, the deepest folder's last
+            base = "/".join(parts[:depth])
+            spec = self._specs.get(base)
+            if spec is not None:
+                tail = "/".join(parts[depth:]) + ("/" if is_dir else "")
+                result = spec.check_file(tail).include
+                verdict = result if result is not None else verdict
+        return bool(verdict)
 
 
-def _ignored(rules: list[_Rule], rel: str, is_dir: bool) -> bool:
-    ignored = False
-    for rule in rules:  # the last matching rule wins, as in git
-        if _matches(rule, rel, is_dir):
-            ignored = not rule.negate
-    return ignored
+def _skipped(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in ALWAYS_SKIPPED)
 
 
-def _any_match(patterns: tuple[str, ...], name: str) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+def _check_link(source: Path, path: Path, rel: str) -> None:
+    target = Path(os.path.realpath(path))
+    root = Path(os.path.realpath(source))
+    if target != root and root not in target.parents:
+        raise DtrainError(
+            f"source_dir: {rel} links to {target}, outside the source folder; a link leaving "
+            "it would not exist in the container: copy the file in, or remove the link")
 
-
-# ------------------------------------------------------------------ source archive
 
 def list_source_files(source_dir: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """``(files to pack, secrets skipped)`` as sorted paths relative to ``source_dir``."""
+    """``(paths to pack, secrets skipped)``, sorted, relative to ``source_dir``.
+
+    Ignore files apply at every level; links are packed as links when they stay inside the
+    folder and refused (DtrainError) when they leave it.
+    """
     source = Path(source_dir)
     if not source.is_dir():
         raise DtrainError(f"source_dir {str(source)!r} is not a folder; check the path")
-    rules = _read_rules(source)
+    rules = _IgnoreRules()
     files: list[str] = []
     secrets: list[str] = []
     for folder, dirs, names in os.walk(source):
         base = Path(folder).relative_to(source).as_posix()
         prefix = "" if base == "." else base + "/"
+        rules.read(Path(folder), prefix.rstrip("/"))
         kept_dirs = []
         for name in sorted(dirs):
             rel = prefix + name
-            if _any_match(SECRET_PATTERNS, name):
+            if _skipped(name) or rules.ignored(rel, is_dir=True):
+                continue
+            if is_secret(rel):
                 secrets.append(rel + "/")
-            elif not _any_match(ALWAYS_SKIPPED, name) and not _ignored(rules, rel, True):
+            elif (Path(folder) / name).is_symlink():  # os.walk does not enter it: a link entry
+                _check_link(source, Path(folder) / name, rel)
+                files.append(rel)
+            else:
                 kept_dirs.append(name)
         dirs[:] = kept_dirs
         for name in sorted(names):
             rel = prefix + name
-            if _any_match(SECRET_PATTERNS, name):
+            if _skipped(name) or rules.ignored(rel, is_dir=False):
+                continue
+            if is_secret(rel):
                 secrets.append(rel)
-            elif not _any_match(ALWAYS_SKIPPED, name) and not _ignored(rules, rel, False):
-                files.append(rel)
+                continue
+            if (Path(folder) / name).is_symlink():
+                _check_link(source, Path(folder) / name, rel)
+            files.append(rel)
     return sorted(files), sorted(secrets)
 
 
@@ -139,11 +171,16 @@ def pack_source(source_dir: str | os.PathLike, dest_dir: str | os.PathLike) -> P
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(dest, "w:gz") as tar:
         for rel in files:
-            info = tar.gettarinfo(os.path.join(source_dir, rel), arcname=rel)
+            path = os.path.join(source_dir, rel)
+            info = tar.gettarinfo(path, arcname=rel)
             info.uid = info.gid = 0
             info.uname = info.gname = ""
-            if info.isreg():
-                with open(os.path.join(source_dir, rel), "rb") as fh:
+            if info.issym():  # relative, so it resolves wherever the archive is unpacked
+                info.linkname = os.path.relpath(
+                    os.path.realpath(path), os.path.realpath(os.path.dirname(path)))
+                tar.addfile(info)
+            elif info.isreg():
+                with open(path, "rb") as fh:
                     tar.addfile(info, fh)
             else:
                 tar.addfile(info)
@@ -220,18 +257,6 @@ def _write_zip_entry(zf: zipfile.ZipFile, arc: str, data: bytes) -> None:
 
 # ------------------------------------------------------------------ S3
 
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` -> ``("bucket", "a/b")``."""
-    if not uri.startswith("s3://"):
-        raise DtrainError(f"{uri!r} is not an s3:// URI; write it as s3://bucket/prefix")
-    bucket, _, key = uri[5:].partition("/")
-    return bucket, key.strip("/")
-
-
-def join_s3(uri: str, *parts: str) -> str:
-    return "/".join([uri.rstrip("/"), *(p.strip("/") for p in parts)])
-
-
 class _Progress:
     """``\\r``-redrawn bar on a terminal; one summary line otherwise (logs stay readable)."""
 
@@ -264,25 +289,48 @@ def _size(num: float) -> str:
     return f"{num:.1f} GiB"
 
 
-def upload_file(s3: Any, path: str | os.PathLike, uri: str, *,
+def upload_file(client: Any, path: str | os.PathLike, uri: str, *,
                 stream: IO[str] | None = None) -> str:
     """Upload ``path`` to the S3 object ``uri`` with a progress display; returns ``uri``."""
-    bucket, key = parse_s3_uri(uri)
+    bucket, key = s3.split(uri)
     out = stream if stream is not None else sys.stderr
     progress = _Progress(key.rsplit("/", 1)[-1], os.path.getsize(path), out)
-    s3.upload_file(str(path), bucket, key, Callback=progress)
+    client.upload_file(str(path), bucket, key, Callback=progress)
     progress.finish()
     return uri
 
 
-def delete_objects(s3: Any, uris: list[str]) -> None:
+def delete_objects(client: Any, uris: list[str]) -> None:
     """Best-effort removal of uploaded objects (used when a submission fails after upload)."""
     for uri in uris:
-        bucket, key = parse_s3_uri(uri)
+        bucket, key = s3.split(uri)
         try:
-            s3.delete_object(Bucket=bucket, Key=key)
+            client.delete_object(Bucket=bucket, Key=key)
         except Exception:  # noqa: BLE001, S110 - cleanup must not hide the error that triggered it
             pass
+
+
+def upload_all(client: Any, uploads: Iterable[Upload], *, stream: IO[str],
+               uploaded: list[str], entry_script: str | None = None) -> None:
+    """Make and upload each of a request's ``uploads``: the source folder packed (warning about
+    each secret left out), the runtime wheel, or ``entry_script``'s text. Every URI goes into
+    ``uploaded`` before its upload starts, so the caller can remove a partial upload too."""
+    with tempfile.TemporaryDirectory(prefix="dtrain-upload-") as tmp:
+        for upload in uploads:
+            if upload.source == WHEEL:
+                path = build_runtime_wheel(tmp)
+            elif upload.source == SAGEMAKER_ENTRY_SCRIPT:
+                if entry_script is None:
+                    raise DtrainError("an entry-script upload needs the script's text")
+                path = Path(tmp) / upload.uri.rsplit("/", 1)[-1]
+                path.write_text(entry_script)
+            else:
+                packed = pack_source(upload.source, tmp)
+                for secret in packed.skipped_secrets:
+                    stream.write(f"warning: not packing {secret} (looks like a secret)\n")
+                path = packed.path
+            uploaded.append(upload.uri)
+            upload_file(client, path, upload.uri, stream=stream)
 
 
 def read_tar_names(data: bytes) -> list[str]:

@@ -2,75 +2,82 @@
 
 ``submit`` creates the job folder (one contract root per host ``algo-1``, ``algo-2``, ...), stages
 the input channels, and starts a detached monitor (``python -m dtrain.launcher.local.monitor``)
-that runs one node agent per host and writes the final status. The monitor, not the CLI, owns
-the job, so it keeps running after ``dtrain submit --no-wait`` returns.
+that runs one node agent per host and writes what happens to the job folder's facts file. The
+monitor, not the CLI, owns the job, so it keeps running after ``dtrain submit --no-wait``
+returns; ``status`` reads the facts. Every process is recorded with its start time, so a stop
+never signals a process that merely got a recorded pid later.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dtrain.core import contract
+from dtrain.core import contract, logformat, s3
 from dtrain.core.errors import DtrainError
-from dtrain.jobs.store import FAILED, PENDING, STOPPED, STOPPING, JobRecord, JobStore, dtrain_home
-from dtrain.launcher.base import Launcher, runtime_settings
+from dtrain.core.states import FAILED, FINAL_STATUSES, STOPPED, STOPPING
+from dtrain.launcher import process
+from dtrain.launcher.base import (
+    Handle,
+    JobIdentity,
+    Journal,
+    Launcher,
+    Request,
+    TargetState,
+    Update,
+    runtime_settings,
+)
+from dtrain.launcher.local import layout
 
 if TYPE_CHECKING:
     from dtrain.planning.planner import Plan
+    from dtrain.spec.model import JobSpec
 
-REQUEST_FILE = "request.json"
-AGENT_LOG = "agent.log"
-_RANK_PREFIX = re.compile(r"^\[(\S+) (\d+)\]:")
-
-
-def job_name_for(spec: Any) -> str:
-    if spec.name:
-        return spec.name
-    stem = os.path.splitext(os.path.basename(spec.entry_point.split(":")[-1]))[0]
-    return re.sub(r"[^A-Za-z0-9-]+", "-", stem).strip("-")[:40] or "job"
+STOP_REASON = "stopped by user"
 
 
-def host_root(job_dir: str, host: str) -> str:
-    return os.path.join(job_dir, host)
+@dataclass(frozen=True)
+class LocalState(TargetState):
+    job_dir: str | None = None
+    hosts: list[str] = field(default_factory=list)
+    monitor: dict[str, Any] | None = None  # process.describe() of the monitor
+    agents: list[dict[str, Any]] = field(default_factory=list)  # of each node agent
 
 
-def agent_log(job_dir: str, host: str) -> str:
-    return os.path.join(host_root(job_dir, host), "output", AGENT_LOG)
+def jobs_folder() -> str:
+    """``$DTRAIN_HOME/jobs``: where local jobs without an ``output_path`` live."""
+    from dtrain.core.paths import dtrain_home
+
+    return os.path.join(dtrain_home(), "jobs")
 
 
 class LocalLauncher(Launcher):
     name = "local"
+    state_type = LocalState
 
     def __init__(self, *, s3_client: Any = None, grace_period_s: int | None = None):
         self._s3 = s3_client
-        if grace_period_s is None:
-            grace_period_s = int(os.environ.get(contract.GRACE_PERIOD_ENV,
-                                                contract.DEFAULT_GRACE_PERIOD_S))
         self.grace_period_s = grace_period_s
 
     # ---------------------------------------------------------------- request
 
-    def build_request(self, plan: Plan) -> dict[str, Any]:
-        spec = plan.spec
+    def build_request(self, spec: JobSpec, plan: Plan, job: JobIdentity) -> Request:
         compute = spec.compute
         # local_gpu without an explicit count uses every GPU the agent finds.
         per_host = compute.processes_per_instance
         if per_host is None and compute.instance_type == "local":
             per_host = plan.processes_per_node
-        settings = runtime_settings(plan, job_name=job_name_for(spec),
+        settings = runtime_settings(spec, plan, job_name=job.name,
                                     instance_type=compute.instance_type,
                                     processes_per_host=per_host, source_dir=spec.source_dir)
-        return {
-            "target": "local",
-            "job_name": settings.job_name,
+        return Request(target=self.name, job=job, payload={
             "hosts": [f"algo-{i + 1}" for i in range(plan.num_nodes)],
             "settings": settings.__dict__,
             "hyperparameters": dict(spec.hyperparameters),
@@ -78,44 +85,35 @@ class LocalLauncher(Launcher):
             "output_path": spec.output_path,
             "checkpoint_uri": spec.checkpoint.uri,
             "environment": dict(spec.environment),
-            "grace_period_s": self.grace_period_s,
-            "spec": spec.to_dict(),
-        }
+        })
 
     # ---------------------------------------------------------------- submit
 
-    def submit(self, request: dict[str, Any], *, store: JobStore) -> JobRecord:
-        record = store.create(name=request["job_name"], target="local", spec=request["spec"],
-                              status=PENDING)
-        job_dir = self._job_dir(request, record.id)
-        record = store.update(record.id, log_location=job_dir, output_location=job_dir,
-                              target_data={"job_dir": job_dir, "hosts": request["hosts"]})
+    def submit(self, request: Request, journal: Journal) -> Handle:
+        payload = request.payload
+        job_dir = os.path.abspath(os.path.join(payload["output_path"] or jobs_folder(),
+                                               request.job.id))
+        journal.record(Update(log_location=job_dir, output_location=job_dir,
+                              state=LocalState.changes(job_dir=job_dir, hosts=payload["hosts"])))
         try:
             os.makedirs(job_dir, exist_ok=False)
-            self._write_contracts(request, job_dir, record.id)
-            pid = self._start_monitor(job_dir, record.id, store)
-        except BaseException as exc:
-            store.update(record.id, status=FAILED, failure_reason=f"submit failed: {exc}")
-            if isinstance(exc, (DtrainError, KeyboardInterrupt)):
-                raise
-            raise DtrainError(f"local job {record.id}: could not start: {exc}") from exc
-        return store.update(record.id, target_data={"monitor_pid": pid})
+            self._write_contracts(request, job_dir)
+            monitor = self._start_monitor(job_dir)
+        except DtrainError:
+            raise
+        except OSError as exc:
+            raise DtrainError(f"local job {request.job.id}: could not start: {exc}") from exc
+        return journal.record(Update(state=LocalState.changes(monitor=monitor)))
 
-    @staticmethod
-    def _job_dir(request: dict[str, Any], job_id: str) -> str:
-        base = request.get("output_path")
-        if not base or base.startswith("s3://"):
-            base = os.path.join(dtrain_home(), "jobs")
-        return os.path.abspath(os.path.join(base, job_id))
-
-    def _write_contracts(self, request: dict[str, Any], job_dir: str, job_id: str) -> None:
-        settings = contract.Settings(**request["settings"])
-        staged = self._stage_inputs(request["inputs"], job_dir)
-        for host in request["hosts"]:
+    def _write_contracts(self, request: Request, job_dir: str) -> None:
+        payload = request.payload
+        settings = contract.Settings(**payload["settings"])
+        staged = self._stage_inputs(payload["inputs"], job_dir)
+        for host in payload["hosts"]:
             paths = contract.write_host_contract(
-                host_root(job_dir, host), current_host=host, hosts=request["hosts"],
-                settings=settings, hyperparameters=request["hyperparameters"],
-                channels=sorted(staged), checkpoint_s3_uri=request.get("checkpoint_uri"),
+                layout.host_root(job_dir, host), current_host=host, hosts=payload["hosts"],
+                settings=settings, hyperparameters=payload["hyperparameters"],
+                channels=sorted(staged), checkpoint_s3_uri=payload.get("checkpoint_uri"),
                 # one folder for all simulated hosts: DCP writes each shard once, from one host
                 checkpoint_local_path=os.path.join(job_dir, "checkpoints"),
                 network_interface_name="lo")
@@ -123,14 +121,17 @@ class LocalLauncher(Launcher):
                 target = paths.channel_dir(channel)
                 os.rmdir(target)
                 os.symlink(source, target)
-        with open(os.path.join(job_dir, REQUEST_FILE), "w") as f:
-            json.dump({**request, "job_id": job_id}, f, indent=2, default=str)
+        grace = self.grace_period_s
+        if grace is None:
+            grace = int(os.environ.get(contract.GRACE_PERIOD_ENV, contract.DEFAULT_GRACE_PERIOD_S))
+        with open(os.path.join(job_dir, layout.REQUEST_FILE), "w") as f:
+            json.dump({**request.to_dict(), "grace_period_s": grace}, f, indent=2, default=str)
 
     def _stage_inputs(self, inputs: dict[str, str], job_dir: str) -> dict[str, str]:
         """channel -> a local folder holding its data (S3 downloaded once, shared by hosts)."""
         staged = {}
         for channel, uri in inputs.items():
-            if uri.startswith("s3://"):
+            if s3.is_s3_uri(uri):
                 staged[channel] = self._download(uri, os.path.join(job_dir, "inputs", channel))
                 continue
             source = os.path.abspath(os.path.expanduser(uri))
@@ -145,14 +146,15 @@ class LocalLauncher(Launcher):
         return staged
 
     def _download(self, uri: str, folder: str) -> str:
-        bucket, _, prefix = uri[len("s3://"):].partition("/")
-        s3 = self._s3
-        if s3 is None:
+        bucket, prefix = s3.split(uri)
+        client = self._s3
+        if client is None:
             import boto3
 
-            s3 = self._s3 = boto3.client("s3")
+            client = self._s3 = boto3.client("s3")
         count = 0
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
+                                                                     Prefix=prefix):
             for obj in page.get("Contents", []):
                 key = obj["Key"]
                 rel = os.path.relpath(key, prefix) if prefix and key != prefix \
@@ -161,67 +163,78 @@ class LocalLauncher(Launcher):
                     continue
                 target = os.path.join(folder, rel)
                 os.makedirs(os.path.dirname(target), exist_ok=True)
-                s3.download_file(bucket, key, target)
+                client.download_file(bucket, key, target)
                 count += 1
         if count == 0:
             raise DtrainError(f"input {uri}: no objects under this prefix; check the URI")
         return folder
 
-    def _start_monitor(self, job_dir: str, job_id: str, store: JobStore) -> int:
-        env = dict(os.environ, DTRAIN_JOBS_DB=store.path, PYTHONUNBUFFERED="1")
-        with open(os.path.join(job_dir, "monitor.log"), "ab") as log:
+    @staticmethod
+    def _start_monitor(job_dir: str) -> dict[str, Any]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(os.path.join(job_dir, layout.MONITOR_LOG), "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "dtrain.launcher.local.monitor", job_dir],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True)
-        return proc.pid
+        return process.describe(proc.pid)
 
     # ---------------------------------------------------------------- lifecycle
 
-    def status(self, record: JobRecord, *, store: JobStore) -> JobRecord:
-        """The store's view, corrected when the monitor died without writing a final state."""
-        if record.is_final:
-            return record
-        pid = record.target_data.get("monitor_pid")
-        if pid and not pid_alive(pid):
-            record = store.get(record.id)  # it may have finished while we looked
-            if not record.is_final:
-                kill_process_groups(record.target_data.get("agent_pids", []), signal.SIGKILL)
-                status = STOPPED if record.status == STOPPING else FAILED
-                record = store.update(record.id, status=status,
-                                      failure_reason=record.failure_reason or
-                                      "the local job monitor exited unexpectedly")
-        return record
+    def status(self, handle: Handle) -> Update:
+        """The monitor's facts; when the monitor is gone without writing an end, the job
+        ended with it (and whatever of it still runs is stopped)."""
+        state: LocalState = handle.state
+        if handle.is_final or not state.job_dir:
+            return Update()
+        facts = layout.read_state(state.job_dir)
+        if facts.get("status") not in FINAL_STATUSES and \
+                process.process_alive(state.monitor) is False:
+            facts = layout.read_state(state.job_dir)  # it may have ended while we looked
+            if facts.get("status") not in FINAL_STATUSES:
+                _kill_agents(facts.get("agents", []))
+                facts = {**facts, "status": STOPPED if handle.status == STOPPING else FAILED,
+                         "failure_reason": handle.failure_reason or
+                         "the local job monitor exited unexpectedly"}
+        return _update_from(facts)
 
-    def logs(self, record: JobRecord, *, follow: bool = False, host: str | None = None,
-             rank: int | None = None) -> Iterator[str]:
-        job_dir = record.target_data.get("job_dir") or record.log_location
-        hosts = [h for h in record.target_data.get("hosts", []) if host in (None, h)]
+    def logs(self, handle: Handle, *, follow: bool, host: str | None, rank: int | None,
+             ended: Callable[[], bool]) -> Iterator[str]:
+        state: LocalState = handle.state
+        hosts = [h for h in state.hosts if host in (None, h)]
         if host and not hosts:
-            raise DtrainError(f"host {host!r} is not part of job {record.id}; "
-                              f"hosts: {record.target_data.get('hosts')}")
+            raise DtrainError(f"host {host!r} is not part of job {handle.job.id}; "
+                              f"hosts: {', '.join(state.hosts)}")
         offsets = {h: 0 for h in hosts}
-        store = JobStore()
         while True:
-            done = not follow or self.status(store.get(record.id), store=store).is_final
+            done = not follow or ended()
             for h in hosts:
-                yield from _read_new_lines(agent_log(job_dir, h), offsets, h, rank)
+                yield from _read_new_lines(layout.agent_log(state.job_dir, h), offsets, h, rank)
             if done:
                 return
             time.sleep(0.25)
 
-    def stop(self, record: JobRecord, *, store: JobStore) -> JobRecord:
-        record = self.status(record, store=store)
-        if record.is_final:
-            return record
-        record = store.update(record.id, status=STOPPING)
-        pid = record.target_data.get("monitor_pid")
-        if pid and pid_alive(pid):
-            os.kill(pid, signal.SIGTERM)  # the monitor stops the agents and marks Stopped
-        else:
-            kill_process_groups(record.target_data.get("agent_pids", []), signal.SIGKILL)
-            record = store.update(record.id, status=STOPPED, failure_reason="stopped by user")
-        return record
+    def stop(self, handle: Handle, journal: Journal) -> Handle:
+        if handle.is_final:
+            return handle
+        handle = journal.record(Update(status=STOPPING))
+        state: LocalState = handle.state
+        if process.signal_process(state.monitor, signal.SIGTERM):
+            return handle  # the monitor stops the agents and writes Stopped
+        _kill_agents(layout.read_state(state.job_dir).get("agents", []) if state.job_dir else [])
+        return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON))
+
+
+def _update_from(facts: dict[str, Any]) -> Update:
+    return Update(status=facts.get("status"), failure_reason=facts.get("failure_reason"),
+                  started_at=facts.get("started_at"), ended_at=facts.get("ended_at"),
+                  state=LocalState.changes(**{k: facts[k] for k in ("agents", "secondary_status")
+                                              if k in facts}))
+
+
+def _kill_agents(agents: list[dict[str, Any]]) -> None:
+    for agent in agents:  # only the agents themselves, not processes that reuse their pids
+        process.signal_group(agent, signal.SIGKILL)
 
 
 def _read_new_lines(path: str, offsets: dict[str, int], host: str,
@@ -235,29 +248,6 @@ def _read_new_lines(path: str, offsets: dict[str, int], host: str,
     end = data.rfind(b"\n") + 1  # hold back a partial last line until it is complete
     offsets[host] += end
     for raw in data[:end].decode(errors="replace").splitlines():
-        match = _RANK_PREFIX.match(raw)
-        if rank is not None and (match is None or int(match.group(2)) != rank):
-            continue
-        yield raw if match else f"[{host}] {raw}"
-
-
-def pid_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
-
-
-def kill_process_groups(pids: list[int], sig: int) -> None:
-    """Signal each process group led by ``pids`` (agents run as session leaders)."""
-    for pid in pids:
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        line = logformat.as_line(host, raw)
+        if rank is None or logformat.rank_of(line) == rank:
+            yield line

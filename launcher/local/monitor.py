@@ -3,7 +3,8 @@
 Started detached by ``LocalLauncher.submit``. Runs one node agent per simulated host, each in
 its own session so the whole tree can be signalled; stops the others when one host fails (as
 SageMaker does); on SIGTERM (``dtrain stop``) stops every agent within the grace period; and
-writes the final status, because it is the one process that sees every agent exit.
+writes what happens (the agents it started, then the final status, because it is the one
+process that sees every agent exit) to the job folder's facts file, which ``status`` reads.
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ import subprocess
 import sys
 import time
 
-from dtrain.core import contract
-from dtrain.jobs.store import COMPLETED, FAILED, RUNNING, STARTING, STOPPED, JobStore
-from dtrain.launcher.local.launcher import REQUEST_FILE, agent_log, host_root, kill_process_groups
+from dtrain.core import contract, states
+from dtrain.core.states import COMPLETED, FAILED, RUNNING, STARTING, STOPPED
+from dtrain.launcher import process
+from dtrain.launcher.local.layout import (
+    REQUEST_FILE,
+    agent_log,
+    host_root,
+    write_state,
+)
 
 
 def free_port() -> int:
@@ -28,8 +35,8 @@ def free_port() -> int:
 
 
 def start_agents(request: dict, job_dir: str) -> list[subprocess.Popen]:
-    hosts = request["hosts"]
-    env = dict(os.environ, **request.get("environment", {}),
+    hosts = request["payload"]["hosts"]
+    env = dict(os.environ, **request["payload"].get("environment", {}),
                DTRAIN_MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
     if len(hosts) > 1:
         env[contract.MASTER_PORT_ENV] = str(free_port())
@@ -56,17 +63,25 @@ def wait_for_agents(agents: list[subprocess.Popen], timeout_s: float, *,
 def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM every agent (they forward it to workers), SIGKILL what is left after the grace."""
     running = [a for a in agents if a.poll() is None]
-    kill_process_groups([a.pid for a in running], signal.SIGTERM)
+    _signal_groups(running, signal.SIGTERM)
     wait_for_agents(running, grace_s + 5)  # the agents' own grace plus their shutdown
-    kill_process_groups([a.pid for a in agents], signal.SIGKILL)
+    _signal_groups(agents, signal.SIGKILL)  # their workers too, should any outlive them
     for agent in agents:
         agent.wait()
+
+
+def _signal_groups(agents: list[subprocess.Popen], sig: int) -> None:
+    for agent in agents:  # each agent leads its own session: the group is its whole tree
+        try:
+            os.killpg(agent.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def host_reports(request: dict, job_dir: str) -> list[tuple[dict, str]]:
     """(failure.json, failure text) of every host that wrote them."""
     found = []
-    for host in request["hosts"]:
+    for host in request["payload"]["hosts"]:
         paths = contract.Paths(host_root(job_dir, host))
         try:
             with open(paths.failure_details_file) as f:
@@ -99,59 +114,53 @@ def final_state(request: dict, job_dir: str, codes: list[int], *,
     during the final model save lets it finish). A stop that cut the final model save short says
     so, since the model then has to come from the last checkpoint.
     """
-    if all(code == 0 for code in codes):
+    if states.outcome(codes) == COMPLETED:
         return COMPLETED, None
     if stopped_by_user:
         notes = [d["model_note"] for d, _ in host_reports(request, job_dir) if d.get("model_note")]
         return STOPPED, "stopped by user" + (f"; {notes[0]}" if notes else "")
     reason = root_cause(request, job_dir) or f"node agent exit codes {codes}; see `dtrain logs`"
-    # max_run and SIGTERM (a spot notice, or the checkpointed stop that follows it) are stops to
-    # resume from, as on SageMaker; anything else is a failure.
-    stopped = contract.MAX_RUN_EXIT_CODE in codes or \
-        set(codes) <= {0, contract.PREEMPTED_EXIT_CODE}
-    return (STOPPED if stopped else FAILED), reason
+    return states.outcome(codes), reason
 
 
-def supervise(request: dict, job_dir: str, store: JobStore, stop_requested: list) -> None:
-    job_id = request["job_id"]
-    store.update(job_id, status=STARTING, target_data={"monitor_pid": os.getpid()})
+def supervise(request: dict, job_dir: str, stop_requested: list) -> None:
+    write_state(job_dir, status=STARTING, monitor=process.this_process())
     agents = start_agents(request, job_dir)
-    store.update(job_id, status=RUNNING, started_at=time.time(),
-                 target_data={"agent_pids": [a.pid for a in agents]})
+    write_state(job_dir, status=RUNNING, started_at=time.time(),
+                agents=[process.describe(a.pid) for a in agents])
     grace = float(request["grace_period_s"])
     while not stop_requested:
         codes = [a.poll() for a in agents]
         if all(code == 0 for code in codes):
-            store.update(job_id, status=COMPLETED)
+            write_state(job_dir, status=COMPLETED, ended_at=time.time())
             return
         if any(code not in (None, 0) for code in codes):
             if set(codes) <= {None, 0, contract.PREEMPTED_EXIT_CODE}:
                 # Interrupted: the other hosts stop at the same step on their own, and say where
                 # (unless `dtrain stop` comes first); the secondary status says why it still
                 # runs, as on EC2.
-                store.update(job_id, target_data={"secondary_status": "Interrupted"})
+                write_state(job_dir, secondary_status="Interrupted")
                 wait_for_agents(agents, grace + 5, stop_requested=stop_requested)
             break
         time.sleep(0.2)
     stop_agents(agents, grace)  # a stop, or one host failed (or still runs): the job is over
     status, reason = final_state(request, job_dir, [a.returncode for a in agents],
                                  stopped_by_user=bool(stop_requested))
-    store.update(job_id, status=status, failure_reason=reason)
+    write_state(job_dir, status=status, failure_reason=reason, ended_at=time.time())
 
 
 def main(argv: list[str] | None = None) -> int:
     job_dir = (argv or sys.argv[1:])[0]
     with open(os.path.join(job_dir, REQUEST_FILE)) as f:
         request = json.load(f)
-    store = JobStore()
     stop_requested: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the submitting shell is not a stop
     try:
-        supervise(request, job_dir, store, stop_requested)
+        supervise(request, job_dir, stop_requested)
     except BaseException as exc:
-        store.update(request["job_id"], status=FAILED,
-                     failure_reason=f"local job monitor failed: {type(exc).__name__}: {exc}")
+        write_state(job_dir, status=FAILED, ended_at=time.time(),
+                    failure_reason=f"local job monitor failed: {type(exc).__name__}: {exc}")
         raise
     return 0
 

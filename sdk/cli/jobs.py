@@ -76,7 +76,7 @@ def _dry_run(spec: Any, output: str) -> None:
     from dtrain.planning.planner import plan
 
     resolved = plan(spec)
-    request = jobs.build_request(spec)
+    request = jobs.build_request(spec).to_dict()
     if output == "json":
         echo_json({"plan": resolved.to_dict(), "request": request})
         return
@@ -150,13 +150,18 @@ def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait:
 @click.command("list")
 @click.option("--target", type=click.Choice(["local", "sagemaker", "ec2"]), default=None,
               help="Only jobs of this target.")
-@click.option("--limit", type=int, default=50, show_default=True, help="Newest N jobs.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Newest N jobs.")
+@click.option("--refresh/--no-refresh", default=True, show_default=True,
+              help="Ask the targets about jobs that have not ended (at most 10 s in all, "
+                   "concurrently); --no-refresh lists what is recorded.")
 @OUTPUT_OPTION
-def list_command(target: str | None, limit: int, output: str) -> None:
+def list_command(target: str | None, limit: int, refresh: bool, output: str) -> None:
     """List recorded jobs, newest first."""
     from dtrain.jobs import api as jobs
 
-    records = jobs.list_jobs(target=target, limit=limit)
+    records = jobs.list_jobs(target=target, limit=limit,
+                             refresh_s=jobs.LIST_REFRESH_S if refresh else None)
     if output == "json":
         echo_json([r.to_dict() for r in records])
         return

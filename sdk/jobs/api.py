@@ -1,8 +1,10 @@
-"""Target-agnostic job operations used by the CLI and ``Estimator``.
+"""Target-agnostic job operations used by the CLI, ``Estimator`` and the SageMaker shim.
 
 ``submit`` goes spec -> plan -> backend request -> backend; everything after submission works
-from the job store, so ``get``/``logs``/``stop``/``wait`` treat every target alike. Waiting ends
-when the job has ended and its target has removed what it made for it (``pending_cleanup``).
+from the job store, so ``get``/``logs``/``stop``/``wait`` treat every target alike. This layer
+alone writes the store: a backend returns what it learnt (``Update``) or records it through the
+``Journal`` handed to it. Waiting ends when the job has ended and its target has removed what it
+made for it (``pending_cleanup``).
 """
 
 from __future__ import annotations
@@ -12,83 +14,183 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from dtrain.core import names
 from dtrain.core.errors import DtrainError
-from dtrain.jobs.store import JobRecord, JobStore
+from dtrain.core.states import FAILED, PENDING
+from dtrain.jobs.store import JobRecord, JobStore, new_job_id
 
 if TYPE_CHECKING:
-    from dtrain.launcher.base import Launcher
+    from dtrain.launcher.base import Handle, JobIdentity, Launcher, Request, Update
     from dtrain.spec.model import JobSpec
 
 # How long a wait goes on after the job ended for its target to remove what it created (EC2: the
 # groups, once the nodes that powered off have terminated, which normally takes about a minute).
 CLEANUP_SETTLE_S = 300.0
+# How long `dtrain list` spends asking the targets about jobs that have not ended.
+LIST_REFRESH_S = 10.0
 
 
-def _launcher(target: str, clients: dict[str, Any] | None = None) -> Launcher:
+def launcher_for(target: str, clients: dict[str, Any] | None = None) -> Launcher:
     from dtrain.launcher.base import get_launcher
 
     return get_launcher(target, **(clients or {}))
 
 
-def build_request(spec: JobSpec, *, clients: dict[str, Any] | None = None) -> dict[str, Any]:
+# ---------------------------------------------------------------- the store <-> a backend
+
+def handle_of(record: JobRecord, launcher: Launcher) -> Handle:
+    """The backend's view of a stored job."""
+    from dtrain.launcher.base import Handle, JobIdentity
+
+    return Handle(job=JobIdentity(record.id, record.name, record.created_at),
+                  status=record.status, state=launcher.state_type.from_dict(record.target_data),
+                  failure_reason=record.failure_reason, started_at=record.started_at,
+                  ended_at=record.ended_at)
+
+
+def apply(store: JobStore, job_id: str, update: Update) -> JobRecord:
+    """Write a backend's ``Update`` (a final status stays final; state merges in any case)."""
+    fields = {k: getattr(update, k) for k in ("failure_reason", "started_at", "ended_at",
+                                              "log_location", "output_location")
+              if getattr(update, k) is not None}
+    return store.update(job_id, status=update.status, target_data=update.state, **fields)
+
+
+class StoreJournal:
+    """The ``Journal`` a backend records its progress in: this job's row of the store."""
+
+    def __init__(self, store: JobStore, launcher: Launcher, job_id: str) -> None:
+        self.store, self.launcher, self.job_id = store, launcher, job_id
+
+    def record(self, update: Update) -> Handle:
+        return handle_of(apply(self.store, self.job_id, update), self.launcher)
+
+    def current(self) -> Handle:
+        return handle_of(self.store.get(self.job_id), self.launcher)
+
+
+def refresh(record: JobRecord, launcher: Launcher, store: JobStore) -> JobRecord:
+    """Ask the target about the job and write what changed."""
+    return apply(store, record.id, launcher.status(handle_of(record, launcher)))
+
+
+# ---------------------------------------------------------------- submit
+
+def identity(spec: JobSpec, launcher: Launcher, *, now: float | None = None) -> JobIdentity:
+    """The job's id, target name and submission time, chosen before the request is built."""
+    from datetime import datetime, timezone
+
+    from dtrain.launcher.base import JobIdentity
+
+    now = time.time() if now is None else now
+    name = spec.name
+    if launcher.stamps_job_names:
+        name = names.timestamped(spec.name, now=datetime.fromtimestamp(now, timezone.utc))
+    return JobIdentity(id=new_job_id(), name=name, submitted_at=now)
+
+
+def build_request(spec: JobSpec, *, clients: dict[str, Any] | None = None,
+                  job: JobIdentity | None = None) -> Request:
     """What ``submit`` would send (``--dry-run``)."""
     from dtrain.planning.planner import plan
 
-    return _launcher(spec.compute.target, clients).build_request(plan(spec))
+    launcher = launcher_for(spec.compute.target, clients)
+    return launcher.build_request(spec, plan(spec), job or identity(spec, launcher))
 
 
 def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: bool = False,
            store: JobStore | None = None, clients: dict[str, Any] | None = None,
-           on_line: Callable[[str], None] | None = None) -> JobRecord | dict[str, Any]:
+           on_line: Callable[[str], None] | None = None,
+           job: JobIdentity | None = None) -> JobRecord | Request:
     """Run ``spec``. Returns the request (dry run) or the job record (final one when waiting,
     which also waits for the target to remove what it created for the job; see ``wait_for``).
 
     ``on_line`` receives each log line while waiting with ``follow``.
     """
-    if dry_run:
-        return build_request(spec, clients=clients)
     from dtrain.planning.planner import plan
 
+    launcher = launcher_for(spec.compute.target, clients)
+    request = launcher.build_request(spec, plan(spec), job or identity(spec, launcher))
+    if dry_run:
+        return request
     store = store or JobStore()
-    launcher = _launcher(spec.compute.target, clients)
-    record = launcher.submit(launcher.build_request(plan(spec)), store=store)
+    record = store.create(job_id=request.job.id, name=request.job.name, target=launcher.name,
+                          spec=spec.to_dict(), status=PENDING,
+                          created_at=request.job.submitted_at)
+    journal = StoreJournal(store, launcher, record.id)
+    try:
+        launcher.submit(request, journal)
+    except BaseException as exc:
+        reason = str(exc) if isinstance(exc, DtrainError) else \
+            f"submit interrupted ({type(exc).__name__}: {exc})"
+        store.update(record.id, status=FAILED, failure_reason=reason)  # unless it ended otherwise
+        raise
     if follow:
-        for line in launcher.logs(record, follow=True):
+        for line in logs(record.id, follow=True, store=store, clients=clients):
             if on_line:
                 on_line(line)
     if wait or follow:
-        record = wait_for(record.id, store=store, clients=clients)
-    return record
+        return wait_for(record.id, store=store, clients=clients)
+    return store.get(record.id)
 
+
+# ---------------------------------------------------------------- after submission
 
 def get(job: str, *, store: JobStore | None = None,
         clients: dict[str, Any] | None = None) -> JobRecord:
     """A job by id, id prefix or name, refreshed from its target."""
     store = store or JobStore()
     record = store.find(job)
-    return _launcher(record.target, clients).status(record, store=store)
+    return refresh(record, launcher_for(record.target, clients), store)
 
 
 def list_jobs(*, target: str | None = None, limit: int | None = None,
-              store: JobStore | None = None) -> list[JobRecord]:
-    """Newest first, as recorded (no calls to the targets)."""
-    return (store or JobStore()).list(target=target, limit=limit)
+              store: JobStore | None = None, refresh_s: float | None = LIST_REFRESH_S,
+              clients: dict[str, Any] | None = None) -> list[JobRecord]:
+    """Newest first. Jobs that have not ended are asked about first, concurrently, for at
+    most ``refresh_s`` seconds in all (None: as recorded, no call to any target); a job whose
+    target does not answer in time, or fails to, is listed as recorded."""
+    store = store or JobStore()
+    records = store.list(target=target, limit=limit)
+    live = [r for r in records if not r.is_final]
+    if refresh_s is None or not live:
+        return records
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    def one(record: JobRecord) -> JobRecord:
+        return refresh(record, launcher_for(record.target, clients), store)
+
+    pool = ThreadPoolExecutor(max_workers=min(8, len(live)))
+    futures = {pool.submit(one, r): r.id for r in live}
+    done, _ = wait(futures, timeout=refresh_s)
+    pool.shutdown(wait=False, cancel_futures=True)
+    fresh = {futures[f]: f.result() for f in done if f.exception() is None}
+    return [fresh.get(r.id, r) for r in records]
 
 
 def logs(job: str, *, follow: bool = False, host: str | None = None, rank: int | None = None,
          store: JobStore | None = None, clients: dict[str, Any] | None = None) -> Iterator[str]:
-    record = (store or JobStore()).find(job)
-    return _launcher(record.target, clients).logs(record, follow=follow, host=host, rank=rank)
+    store = store or JobStore()
+    record = store.find(job)
+    launcher = launcher_for(record.target, clients)
+
+    def ended() -> bool:
+        return refresh(store.get(record.id), launcher, store).is_final
+
+    return launcher.logs(handle_of(record, launcher), follow=follow, host=host, rank=rank,
+                         ended=ended)
 
 
 def stop(job: str, *, wait: bool = False, store: JobStore | None = None,
          clients: dict[str, Any] | None = None, timeout_s: float | None = None) -> JobRecord:
     store = store or JobStore()
     record = store.find(job)
-    record = _launcher(record.target, clients).stop(record, store=store)
+    launcher = launcher_for(record.target, clients)
+    record = refresh(record, launcher, store)
+    launcher.stop(handle_of(record, launcher), StoreJournal(store, launcher, record.id))
     if wait:
-        record = wait_for(record.id, store=store, clients=clients, timeout_s=timeout_s)
-    return record
+        return wait_for(record.id, store=store, clients=clients, timeout_s=timeout_s)
+    return store.get(record.id)
 
 
 def note_to_stderr(line: str) -> None:
@@ -113,12 +215,12 @@ def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any]
     """
     store = store or JobStore()
     record = store.find(job)
-    launcher = _launcher(record.target, clients)
+    launcher = launcher_for(record.target, clients)
     poll_s = launcher.poll_s if poll_s is None else poll_s
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     last = None
     while True:
-        record = launcher.status(store.get(record.id), store=store)
+        record = refresh(store.get(record.id), launcher, store)
         seen = (record.status, (record.target_data or {}).get("secondary_status"))
         if on_status and seen != last:
             on_status(record)
@@ -137,7 +239,7 @@ def wait_for(job: str, *, store: JobStore | None = None, clients: dict[str, Any]
 def _settle(launcher: Launcher, record: JobRecord, *, store: JobStore, poll_s: float,
             settle_s: float, on_note: Callable[[str], None]) -> JobRecord:
     """Poll an ended job's target while it is removing what it created (status retries it)."""
-    pending = launcher.pending_cleanup(record)
+    pending = launcher.pending_cleanup(handle_of(record, launcher))
     if pending is None:
         return record
     on_note(f"{record.status}; removing {pending.what} once {pending.once}…")
@@ -149,8 +251,8 @@ def _settle(launcher: Launcher, record: JobRecord, *, store: JobStore, poll_s: f
                         f"(waiting until {pending.once}); {pending.retry_hint}")
                 return record
             time.sleep(poll_s)
-            record = launcher.status(store.get(record.id), store=store)
-            pending = launcher.pending_cleanup(record)
+            record = refresh(store.get(record.id), launcher, store)
+            pending = launcher.pending_cleanup(handle_of(record, launcher))
     except KeyboardInterrupt:  # the job is over: Ctrl-C only gives up waiting for the removal
         if pending is not None:
             on_note(f"stopped waiting: {pending.what} not removed yet; {pending.retry_hint}")

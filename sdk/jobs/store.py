@@ -20,11 +20,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dtrain.core.errors import DtrainError
-
-PENDING, STARTING, RUNNING = "Pending", "Starting", "Running"
-COMPLETED, FAILED, STOPPING, STOPPED = "Completed", "Failed", "Stopping", "Stopped"
-STATUSES = (PENDING, STARTING, RUNNING, COMPLETED, FAILED, STOPPING, STOPPED)
-FINAL_STATUSES = frozenset({COMPLETED, FAILED, STOPPED})
+from dtrain.core.paths import default_db_path, dtrain_home  # noqa: F401 - re-exported
+from dtrain.core.states import (  # noqa: F401 - the store's vocabulary, re-exported
+    COMPLETED,
+    FAILED,
+    FINAL_STATUSES,
+    PENDING,
+    RUNNING,
+    STARTING,
+    STATUSES,
+    STOPPED,
+    STOPPING,
+)
 
 _COLUMNS = ("id", "name", "target", "spec", "status", "created_at", "started_at", "ended_at",
             "failure_reason", "log_location", "output_location", "target_data")
@@ -46,15 +53,6 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_name_created ON jobs (name, created_at);
 """
 _RETRIES = 20
-
-
-def dtrain_home() -> str:
-    """``$DTRAIN_HOME`` or ``~/.dtrain``: the job store, local job folders."""
-    return os.environ.get("DTRAIN_HOME") or os.path.join(os.path.expanduser("~"), ".dtrain")
-
-
-def default_db_path() -> str:
-    return os.environ.get("DTRAIN_JOBS_DB") or os.path.join(dtrain_home(), "jobs.db")
 
 
 @dataclass(frozen=True)
@@ -156,10 +154,11 @@ class JobStore:
 
     def create(self, *, name: str, target: str, spec: dict[str, Any], job_id: str | None = None,
                status: str = PENDING, log_location: str | None = None,
-               output_location: str | None = None,
+               output_location: str | None = None, created_at: float | None = None,
                target_data: dict[str, Any] | None = None) -> JobRecord:
         record = JobRecord(id=job_id or new_job_id(), name=name, target=target, spec=spec,
-                           status=status, created_at=time.time(), log_location=log_location,
+                           status=status, created_at=created_at or time.time(),
+                           log_location=log_location,
                            output_location=output_location, target_data=target_data or {})
 
         def insert() -> None:
@@ -174,7 +173,9 @@ class JobStore:
 
     def update(self, job_id: str, *, status: str | None = None,
                target_data: dict[str, Any] | None = None, **fields: Any) -> JobRecord:
-        """Change fields of a job; ``target_data`` is merged. A final status never changes.
+        """Change fields of a job; ``target_data`` is merged. A final status never changes, nor
+        does any other field of an ended job, except ``target_data``: a target learns facts
+        after the end too (the EC2 backend removing its groups).
 
         Returns the record as stored afterwards (check ``status`` to see whether you won a race).
         """
@@ -190,10 +191,8 @@ class JobStore:
                                    (job_id,)).fetchone()
                 if row is None:
                     raise DtrainError(f"no job with id {job_id!r}; see `dtrain list`")
-                if row[0] in FINAL_STATUSES:
-                    return
-                values = dict(fields)
-                if status is not None:
+                values = {} if row[0] in FINAL_STATUSES else dict(fields)
+                if status is not None and row[0] not in FINAL_STATUSES:
                     values["status"] = status
                     if status in FINAL_STATUSES and "ended_at" not in values:
                         values["ended_at"] = time.time()
@@ -203,23 +202,6 @@ class JobStore:
                 if values:
                     sets = ", ".join(f"{k} = ?" for k in values)
                     conn.execute(f"UPDATE jobs SET {sets} WHERE id = ?", [*values.values(), job_id])
-        self._retry(apply)
-        return self.get(job_id)
-
-    def update_target_data(self, job_id: str, target_data: dict[str, Any]) -> JobRecord:
-        """Merge facts learnt after a job ended (e.g. the EC2 backend removing its groups).
-
-        Unlike ``update`` this also writes to a final job; status and every other field stay.
-        """
-        def apply() -> None:
-            with self._write() as conn:
-                row = conn.execute("SELECT target_data FROM jobs WHERE id = ?",
-                                   (job_id,)).fetchone()
-                if row is None:
-                    raise DtrainError(f"no job with id {job_id!r}; see `dtrain list`")
-                merged = {**json.loads(row[0] or "{}"), **target_data}
-                conn.execute("UPDATE jobs SET target_data = ? WHERE id = ?",
-                             (json.dumps(merged, default=str), job_id))
         self._retry(apply)
         return self.get(job_id)
 

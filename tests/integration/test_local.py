@@ -87,10 +87,10 @@ def test_logs_are_kept_per_host_and_rank_and_filterable(tmp_path):
 def test_dry_run_request_is_pure_and_names_every_host(tmp_path):
     spec = make_spec(tmp_path, "", instance_count=3)
     first = jobs.submit(spec, dry_run=True)
-    assert first == jobs.submit(spec, dry_run=True)
-    assert first["hosts"] == ["algo-1", "algo-2", "algo-3"]
+    assert first == jobs.submit(spec, dry_run=True, job=first.job)
+    assert first.payload["hosts"] == ["algo-1", "algo-2", "algo-3"]
     # the user's backend choice travels; the runtime resolves "auto" to gloo on CPU
-    assert first["settings"]["distribution"]["backend"] == spec.distribution.backend
+    assert first.payload["settings"]["distribution"]["backend"] == spec.distribution.backend
     assert JobStore().list() == []
 
 
@@ -125,7 +125,7 @@ def test_local_input_paths_reach_the_script_as_channels(tmp_path):
         "compute": {"instance_type": "local", "max_run": 60}}))
     record = jobs.submit(JobSpec.from_file(spec_file), wait=True)
     assert record.status == "Completed", record.failure_reason
-    assert json.loads(Path(record.target_data["job_dir"], "request.json").read_text())["inputs"]
+    assert json.loads(Path(record.target_data["job_dir"], "request.json").read_text())["payload"]["inputs"]
 
 
 def _wait_until(predicate, *, timeout: float, what: str) -> None:

@@ -5,20 +5,21 @@ from __future__ import annotations
 
 from dtrain.jobs import api as jobs
 from dtrain.jobs.store import JobStore
-from dtrain.launcher.base import get_launcher
+from dtrain.launcher.base import TargetState, Update, get_launcher
 
 
 class _TwoPolls:
     """A target whose job is running on the first status call and completed on the second."""
 
     poll_s = 7.0
+    state_type = TargetState
 
     def __init__(self) -> None:
         self.calls = 0
 
-    def status(self, record, *, store):
+    def status(self, handle):
         self.calls += 1
-        return store.update(record.id, status="Running" if self.calls == 1 else "Completed")
+        return Update(status="Running" if self.calls == 1 else "Completed")
 
     def pending_cleanup(self, record):
         return None
@@ -27,7 +28,7 @@ class _TwoPolls:
 def _wait(monkeypatch, tmp_path, **kwargs) -> list[float]:
     store = JobStore(str(tmp_path / "jobs.db"))
     record = store.create(name="demo", target="local", spec={})
-    monkeypatch.setattr(jobs, "_launcher", lambda target, clients=None: _TwoPolls())
+    monkeypatch.setattr(jobs, "launcher_for", lambda target, clients=None: _TwoPolls())
     sleeps: list[float] = []
     monkeypatch.setattr(jobs.time, "sleep", sleeps.append)
     assert jobs.wait_for(record.id, store=store, **kwargs).status == "Completed"
@@ -52,13 +53,14 @@ class _EndedWithCleanupPending:
     their time to terminate), on a clock the test controls."""
 
     poll_s = 10.0
+    state_type = TargetState
 
     def __init__(self, clock) -> None:
         self.clock = clock
 
-    def status(self, record, *, store):
+    def status(self, handle):
         self.clock.now += 1.0  # each look at the cloud takes a moment
-        return store.update(record.id, status="Completed")
+        return Update(status="Completed")
 
     def pending_cleanup(self, record):
         from dtrain.launcher.base import PendingCleanup
@@ -82,7 +84,7 @@ def test_waiting_for_the_clean_up_stops_at_the_callers_timeout(monkeypatch, tmp_
     store = JobStore(str(tmp_path / "jobs.db"))
     record = store.create(name="demo", target="ec2", spec={})
     clock = _Clock()
-    monkeypatch.setattr(jobs, "_launcher", lambda target, clients=None:
+    monkeypatch.setattr(jobs, "launcher_for", lambda target, clients=None:
                         _EndedWithCleanupPending(clock))
     monkeypatch.setattr(jobs, "time", clock)
     notes: list[str] = []

@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from dtrain.launcher.base import process_alive, this_process
+from dtrain.launcher.process import process_alive, this_process
 
 
 def described_child(code: str) -> tuple[subprocess.Popen, dict]:
@@ -21,7 +21,7 @@ def described_child(code: str) -> tuple[subprocess.Popen, dict]:
 
 def test_a_running_process_is_alive_and_gone_once_it_exits():
     child, owner = described_child(
-        "import json, sys; from dtrain.launcher.base import this_process; "
+        "import json, sys; from dtrain.launcher.process import this_process; "
         "print(json.dumps(this_process()), flush=True); sys.stdin.read()")  # runs until killed
     try:
         assert owner["pid"] == child.pid and process_alive(owner) is True

@@ -82,8 +82,10 @@ def test_target_data_learnt_after_the_end_is_merged_without_touching_the_status(
     store = JobStore()
     rec = store.create(name="demo", target="ec2", spec={}, target_data={"prefix": "s3://b/p"})
     store.update(rec.id, status=COMPLETED, target_data={"cleanup": {"state": "pending"}})
-    after = store.update_target_data(rec.id, {"cleanup": {"state": "done"}})
+    after = store.update(rec.id, status=FAILED, failure_reason="late",
+                         target_data={"cleanup": {"state": "done"}})
     assert after.status == COMPLETED and after.ended_at is not None
+    assert after.failure_reason is None
     assert after.target_data == {"prefix": "s3://b/p", "cleanup": {"state": "done"}}
     with pytest.raises(DtrainError, match="no job"):
-        store.update_target_data("nope", {})
+        store.update("nope", target_data={})

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from dtrain.core import contract as c
+from dtrain.core import logformat
 from torch.distributed import launcher
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException, Std
@@ -169,7 +170,7 @@ def build_launch_config(contract: c.Contract, *, grace_period_s: int) -> LaunchC
         # the cost of user atexit work and of host 0's rendezvous store the other agents close.
         monitor_interval=0.1,
         logs_specs=RankLogsSpecs(contract.paths.logs_dir),
-        log_line_prefix_template=f"[{host} ${{rank}}]:",
+        log_line_prefix_template=logformat.rank_prefix_template(host),
         local_addr=local_addr,
         shutdown_timeout=grace_period_s,
     )

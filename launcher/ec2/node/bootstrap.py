@@ -29,7 +29,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from dtrain.core import contract, s3
+from dtrain.core import contract, s3, states
 from dtrain.launcher.ec2 import layout
 
 IMDS = "http://169.254.169.254/latest"
@@ -233,8 +233,7 @@ def run_node(client, config: dict, node: Node, *, command: list[str] | None = No
     # 143: this node was SIGTERMed, or its workers stopped after a checkpoint because another
     # node was; 124: max_run was reached. Either way the job is stopped (resubmit to resume), not
     # failed, as on SageMaker and the local target (docs/concepts/container-contract.md).
-    state = {0: "completed", contract.PREEMPTED_EXIT_CODE: "stopped",
-             contract.MAX_RUN_EXIT_CODE: "stopped"}.get(code, "failed")
+    state = states.outcome([code]).lower()
     write_status(client, config, node, state, exit_code=code, reason=reason)
     return code
 

@@ -1,0 +1,45 @@
+"""A local job's folder: one contract root per simulated host, the request, and the facts file.
+
+The monitor (``python -m dtrain.launcher.local.monitor``) owns the job while it runs and writes
+what happens to ``job_state.json``; ``LocalLauncher.status`` reads it. Neither touches the job
+store: the jobs layer writes what ``status`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+REQUEST_FILE = "request.json"
+STATE_FILE = "job_state.json"
+MONITOR_LOG = "monitor.log"
+AGENT_LOG = "agent.log"
+
+
+def host_root(job_dir: str, host: str) -> str:
+    return os.path.join(job_dir, host)
+
+
+def agent_log(job_dir: str, host: str) -> str:
+    return os.path.join(host_root(job_dir, host), "output", AGENT_LOG)
+
+
+def read_state(job_dir: str) -> dict[str, Any]:
+    """The monitor's facts so far ({} before it wrote any)."""
+    try:
+        with open(os.path.join(job_dir, STATE_FILE)) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_state(job_dir: str, **facts: Any) -> dict[str, Any]:
+    """Merge ``facts`` into the facts file, atomically (a reader never sees half a file)."""
+    state = {**read_state(job_dir), **facts}
+    path = os.path.join(job_dir, STATE_FILE)
+    with open(f"{path}.tmp", "w") as fh:
+        json.dump(state, fh, indent=2, sort_keys=True)
+    os.replace(f"{path}.tmp", path)
+    return state

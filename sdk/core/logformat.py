@@ -1,0 +1,38 @@
+"""The one log-line format on every target (stdlib only).
+
+A worker's line is ``[<host> <rank>]:<text>`` (the node agent has torch elastic put that
+prefix on each line); a line of the node agent or of the target's own machinery is
+``[<host>] <text>``. ``dtrain logs`` prints them so on every target, and ``--host``/``--rank``
+filter on them.
+"""
+
+from __future__ import annotations
+
+import re
+
+_RANK_LINE = re.compile(r"^\[(\S+) (\d+)\]:")
+
+
+def rank_prefix_template(host: str) -> str:
+    """torch elastic's ``log_line_prefix_template`` for this host (it fills in ``${rank}``)."""
+    return f"[{host} ${{rank}}]:"
+
+
+def rank_line(host: str, rank: int, text: str) -> str:
+    return f"[{host} {rank}]:{text}"
+
+
+def host_line(host: str, text: str) -> str:
+    return f"[{host}] {text}"
+
+
+def rank_of(line: str) -> int | None:
+    """The global rank a worker's line came from; None for other lines."""
+    match = _RANK_LINE.match(line)
+    return int(match.group(2)) if match else None
+
+
+def as_line(host: str, raw: str) -> str:
+    """A raw line read from ``host``'s agent output: kept when it is a worker's, else given
+    the host prefix."""
+    return raw if _RANK_LINE.match(raw) else host_line(host, raw)
