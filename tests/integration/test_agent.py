@@ -150,7 +150,7 @@ def test_an_interruption_whose_checkpoint_cannot_be_read_is_still_reported_as_on
 
 
 def test_recipe_entry_points_resolve_to_runtime_modules_or_fail_clearly(tmp_path):
-    from dtrain.runtime.agent.node import build_worker_command
+    from dtrain.runtime.agent.workers import build_worker_command
 
     (root,) = make_job(tmp_path, "")
     c.write_host_contract(str(root), current_host="algo-1", hosts=["algo-1"],

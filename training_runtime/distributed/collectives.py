@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from dtrain.runtime import torch_private
 
 if TYPE_CHECKING:
     from dtrain.core.parallelism import ParallelismPlan
@@ -70,7 +70,7 @@ def build_hierarchy_groups(plan: ParallelismPlan, *, rank: int) -> HierarchyGrou
     return HierarchyGroups(mine_inter, mine_intra, k, per_node)
 
 
-class HierarchicalAllGather(AllGather):
+class HierarchicalAllGather(torch_private.fsdp_all_gather_base()):
     """FSDP2 ``AllGather``: inter-node stage, then intra-node stage; same bytes as flat."""
 
     def __init__(self, groups: HierarchyGroups) -> None:

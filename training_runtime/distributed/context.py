@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from dtrain.core import contract
 from dtrain.core.parallelism import ParallelismPlan, build_parallelism_plan
+from dtrain.runtime import torch_private
 from dtrain.runtime.distributed import accumulation, comm_stats
 from dtrain.runtime.distributed.collectives import HierarchyGroups, build_hierarchy_groups
 from dtrain.runtime.distributed.config import DistributionConfig
@@ -287,7 +288,7 @@ _NODE_GROUPS: dict[int, tuple[Any, dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def _node_groups(facts: ProcessFacts) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    world = dist.distributed_c10d._get_default_group()
+    world = torch_private.default_group()
     cached = _NODE_GROUPS.get(facts.local_world_size)
     if cached is not None and cached[0] is world:
         return cached[1], cached[2]

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 import torch
 from dtrain.core.parallelism import ParallelismPlan
+from dtrain.runtime import torch_private
 from dtrain.runtime.distributed.collectives import HierarchicalAllGather
 from dtrain.runtime.distributed.context import RuntimeContext
 from torch import nn
@@ -134,13 +135,11 @@ def _contains(parent: nn.Module, module: nn.Module) -> bool:
 
 def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """Wrap each block in torch's checkpoint wrapper (before sharding) and return the wrappers."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     wrapped = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if any(child is block for block in blocks):
-                wrapper = checkpoint_wrapper(child)
+                wrapper = torch_private.checkpoint_wrapper(child)
                 setattr(parent, name, wrapper)
                 wrapped.append(wrapper)
     assert len(wrapped) == len(blocks)

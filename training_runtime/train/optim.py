@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+from dtrain.runtime import torch_private
 from torch import nn
 
 
@@ -43,7 +44,7 @@ def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
 def scale_grads_(parameters: Iterable[nn.Parameter], factor: float) -> None:
     grads = [p.grad for p in parameters if p.grad is not None]
     if grads and factor != 1.0:
-        torch._foreach_mul_(grads, factor)
+        torch_private.foreach_mul_(grads, factor)
 
 
 class DynamicLossScaler:

@@ -1,0 +1,154 @@
+"""Every private torch name the runtime uses, in one place, checked against the torch it runs on.
+
+torch's elastic agent offers no public hook to stop it from restarting workers that stopped on
+purpose, nor to read its workers' exit codes; FSDP2's custom all-gather takes an instance of a
+class that lives in a private module; activation checkpointing's wrapper and the default process
+group have no public import path either. They are reached only through this module, which was
+checked on the torch range of :mod:`dtrain.core.torch_support`. ``check_torch`` runs when the
+node agent starts, so an image with an unsupported torch fails at once with one line naming its
+torch and the range, not in the middle of a job; a test fails when a name disappears.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from dtrain.core import torch_support
+
+# (module, attribute) of every private name used below
+PRIVATE_NAMES = (
+    ("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
+    ("torch.distributed.distributed_c10d", "_get_default_group"),
+    ("torch", "_foreach_mul_"),
+    ("torch.distributed.elastic.agent.server.local_elastic_agent", "LocalElasticAgent"),
+    ("torch.distributed.launcher.api", "LocalElasticAgent"),  # what launch_agent builds
+)
+# private members of torch's elastic agent that ``HookedElasticAgent`` overrides or reads
+PRIVATE_AGENT_METHODS = ("_start_workers", "_monitor_workers", "_shutdown")
+PRIVATE_AGENT_ATTRIBUTES = ("_pcontext", "_remaining_restarts")
+
+
+def missing_private_names() -> list[str]:
+    """The private names this torch lacks (empty when every one is there)."""
+    missing = []
+    for module, name in PRIVATE_NAMES:
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{name}")
+    agent = _local_elastic_agent()
+    for method in PRIVATE_AGENT_METHODS:
+        if not callable(getattr(agent, method, None)):
+            missing.append(f"LocalElasticAgent.{method}")
+    # instance attributes: set in the constructors of the agent or its base classes
+    source = "".join(inspect.getsource(cls) for cls in agent.__mro__
+                     if cls.__module__.startswith("torch."))
+    missing += [f"LocalElasticAgent.{name}" for name in PRIVATE_AGENT_ATTRIBUTES
+                if f"self.{name} =" not in source and f"self.{name}:" not in source]
+    return missing
+
+
+def check_torch() -> None:
+    """Raise RuntimeError naming this torch and the supported range when the runtime cannot
+    run on it (too old, or a private name it needs is gone)."""
+    problem = torch_support.problem(torch.__version__)
+    if problem is None:
+        missing = missing_private_names()
+        if missing:
+            problem = (f"torch {torch.__version__} lacks {', '.join(missing)}, which dtrain's "
+                       f"runtime uses (checked on torch {torch_support.supported_range()})")
+    if problem:
+        raise RuntimeError(f"{problem}; use an image with torch "
+                           f"{torch_support.supported_range()}")
+
+
+# ---------------------------------------------------------------- FSDP2, checkpointing, c10d
+
+def fsdp_all_gather_base() -> type:
+    """FSDP2's ``AllGather`` comm interface, the base of a custom all-gather."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    return AllGather
+
+
+def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper as wrap,
+    )
+
+    return wrap(module)
+
+
+def default_group() -> Any:
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group()
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: Any) -> None:
+    torch._foreach_mul_(tensors, factor)
+
+
+# ---------------------------------------------------------------- torch elastic's agent
+
+def _local_elastic_agent() -> type:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    return LocalElasticAgent
+
+
+class HookedElasticAgent(_local_elastic_agent()):
+    """torch's local agent with three public hooks instead of its private methods:
+
+    * ``workers_started()`` after each start of the worker group;
+    * ``keep_restarting(result) -> bool`` after a monitoring pass that found a failure (False:
+      spend no restart on it);
+    * ``workers_shut_down(exit_codes)`` with each worker's exit code (local rank -> code).
+    """
+
+    def workers_started(self) -> None:
+        pass
+
+    def keep_restarting(self, result: Any) -> bool:
+        return True
+
+    def workers_shut_down(self, exit_codes: dict[int, int | None]) -> None:
+        pass
+
+    def _start_workers(self, worker_group):
+        started = super()._start_workers(worker_group)
+        self.workers_started()
+        return started
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed() and not self.keep_restarting(result):
+            self._remaining_restarts = 0
+        return result
+
+    def _shutdown(self, *args, **kwargs) -> None:
+        super()._shutdown(*args, **kwargs)
+        handlers = getattr(self._pcontext, "subprocess_handlers", None) or {}
+        self.workers_shut_down({rank: h.proc.returncode for rank, h in handlers.items()})
+
+
+def launch(config: Any, executable: str, args: list[str],
+           agent: Callable[..., HookedElasticAgent]) -> None:
+    """``elastic_launch(config, executable)(*args)`` with ``agent`` as the agent it builds."""
+    from torch.distributed import launcher
+    from torch.distributed.launcher.api import elastic_launch
+
+    # launch_agent constructs the agent by this module-level name; the agent process runs
+    # one launch at a time, so swapping it for the call is safe.
+    original = launcher.api.LocalElasticAgent
+    launcher.api.LocalElasticAgent = functools.partial(agent)
+    try:
+        elastic_launch(config, executable)(*args)
+    finally:
+        launcher.api.LocalElasticAgent = original
