@@ -40,3 +40,16 @@ def test_layer_contracts_hold(tmp_path):
     report = done.stdout[done.stdout.find("Contracts"):] or done.stdout + done.stderr
     assert done.returncode == 0, report
     assert "BROKEN" not in report and "KEPT" in report, report
+
+
+def test_every_package_folder_is_installed():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = set()
+    for package, folder in FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join([*package.split("/"), *rel]))
+    assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"

@@ -1,0 +1,158 @@
+"""Rules every target shares: degrees, backend, spot basics, the entry point, paths.
+
+Each rule is ``rule(spec, ctx)``; it appends to ``ctx.problems`` (the spec is invalid) or
+``ctx.notes`` (warnings), and may resolve what the spec leaves implicit (absolute local paths,
+the source folder of a bare script path) so later layers see one canonical form.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dtrain.core import contract, s3
+from dtrain.core.parallelism import ParallelismError, build_parallelism_plan
+
+RECIPES = ("causal_lm", "masked_lm")
+
+
+@dataclass
+class Findings:
+    """What the rules found; ``base_dir`` resolves the spec's relative paths."""
+
+    base_dir: Path
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def instance_fits_target(spec, ctx: Findings) -> None:
+    compute = spec.compute
+    inst = compute.instance
+    if compute.target == "local" and not inst.is_local:
+        ctx.problems.append(
+            f"compute.instance_type: {inst.name!r} is a cloud instance type but compute.target is "
+            "'local'; use instance_type 'local' (CPU) or 'local_gpu', or target sagemaker/ec2"
+        )
+    elif compute.target != "local" and inst.is_local:
+        ctx.problems.append(
+            f"compute.instance_type: {inst.name!r} runs only on this machine; pick a cloud "
+            f"instance type for target {compute.target!r}, e.g. 'p4d.24xlarge'"
+        )
+
+
+def backend_fits_hardware(spec, ctx: Findings) -> None:
+    if spec.distribution.backend == "nccl" and not spec.compute.instance.has_gpu:
+        ctx.problems.append(
+            f"distribution.backend: 'nccl' needs GPUs but compute.instance_type "
+            f"{spec.compute.instance_type!r} has none; use backend 'auto' or 'gloo', or a GPU "
+            "instance type"
+        )
+
+
+def degrees_make_a_plan(spec, ctx: Findings) -> None:
+    """The degrees must make a parallelism plan (the one function the planner and the runtime
+    use too); ``auto`` is sized by the planner once the model is known."""
+    try:
+        build_parallelism_plan(spec.distribution.model_dump(mode="json"),
+                               world_size=spec.compute.world_size,
+                               devices_per_node=spec.compute.resolved_processes_per_instance)
+    except ParallelismError as exc:
+        ctx.problems.append(str(exc))
+
+
+def spot_settings(spec, ctx: Findings) -> None:
+    compute = spec.compute
+    if compute.max_wait is not None and not compute.use_spot:
+        ctx.problems.append(
+            "compute.max_wait: only applies to spot jobs; remove it or set compute.use_spot: true"
+        )
+    if compute.use_spot and compute.max_wait is not None and compute.max_wait < compute.max_run:
+        ctx.problems.append(
+            f"compute.max_wait: {compute.max_wait} s is less than compute.max_run "
+            f"{compute.max_run} s; spot jobs need max_wait >= max_run"
+        )
+
+
+def entry_point(spec, ctx: Findings) -> None:
+    entry = spec.entry_point
+    if entry.startswith(contract.RECIPE_PREFIX):
+        name = entry[len(contract.RECIPE_PREFIX):]
+        if name not in RECIPES:
+            ctx.problems.append(
+                f"entry_point: unknown recipe {name!r}; built-in recipes: "
+                + ", ".join(contract.RECIPE_PREFIX + r for r in RECIPES)
+            )
+        return
+    if spec.source_dir is None:
+        script = resolve(ctx.base_dir, entry)
+        spec.source_dir, spec.entry_point = str(script.parent), script.name
+    elif s3.is_s3_uri(spec.source_dir):
+        return  # a packed sourcedir.tar.gz: its contents are checked where it was built
+    else:
+        spec.source_dir = str(resolve(ctx.base_dir, spec.source_dir))
+    source = Path(spec.source_dir)
+    if not source.is_dir():
+        ctx.problems.append(f"source_dir: {spec.source_dir!r} is not a folder; check the path")
+        return
+    script = (source / spec.entry_point).resolve()
+    if source.resolve() not in script.parents:
+        ctx.problems.append(
+            f"entry_point: {spec.entry_point!r} is outside source_dir {spec.source_dir!r}; "
+            "give a path inside it"
+        )
+    elif not is_file(script):
+        ctx.problems.append(
+            f"entry_point: {spec.entry_point!r} not found in source_dir {spec.source_dir!r}; "
+            "check the name or set source_dir"
+        )
+
+
+def cloud_paths(spec, ctx: Findings) -> None:
+    """A cloud target reads and writes S3 only."""
+    target = spec.compute.target
+    for channel, uri in spec.inputs.items():
+        if not s3.is_s3_uri(uri):
+            ctx.problems.append(
+                f"inputs.{channel}: {uri!r} is a local path, which {target} cannot read; "
+                "upload it to S3 and give the s3:// URI"
+            )
+    if spec.output_path is None:
+        ctx.problems.append(
+            f"output_path: required for target {target}; give an s3:// URI such as "
+            "s3://my-bucket/dtrain"
+        )
+    for field_name, value in (("output_path", spec.output_path),
+                              ("checkpoint.uri", spec.checkpoint.uri)):
+        if value is None:
+            continue
+        if not s3.is_s3_uri(value):
+            ctx.problems.append(f"{field_name}: {value!r} must be an s3:// URI for {target}")
+            continue
+        try:
+            s3.check(value, field_name)
+        except ValueError as exc:
+            ctx.problems.append(str(exc))
+
+
+def resolve(base_dir: Path, value: str) -> Path:
+    path = Path(os.path.expanduser(value))
+    return path if path.is_absolute() else (base_dir / path).resolve()
+
+
+def is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+COMMON_RULES = (instance_fits_target, backend_fits_hardware, degrees_make_a_plan, spot_settings,
+                entry_point)

@@ -1,0 +1,57 @@
+"""Rules of ``compute.target: local``: this machine's cores, local paths, no spot."""
+
+from __future__ import annotations
+
+import os
+
+from dtrain.core import s3
+from dtrain.spec.rules.common import Findings, exists, resolve
+
+# A local job with more worker processes than this many per core is likely to crawl.
+LOCAL_PROCESSES_PER_CORE = 2
+
+
+def fits_this_machine(spec, ctx: Findings) -> None:
+    compute = spec.compute
+    total = compute.world_size
+    cores = os.cpu_count() or 1
+    if compute.instance.name == "local" and total > LOCAL_PROCESSES_PER_CORE * cores:
+        ctx.notes.append(
+            f"compute: {total} local worker processes on {cores} CPU cores will be slow; "
+            "lower compute.instance_count or compute.processes_per_instance"
+        )
+
+
+def no_spot(spec, ctx: Findings) -> None:
+    if spec.compute.use_spot:
+        ctx.problems.append(
+            "compute.use_spot: spot capacity exists only for targets sagemaker and ec2")
+
+
+def local_paths(spec, ctx: Findings) -> None:
+    """Inputs and outputs are folders of this machine, resolved against the spec's folder."""
+    for channel, uri in list(spec.inputs.items()):
+        if s3.is_s3_uri(uri):
+            continue  # downloaded once at submit
+        path = resolve(ctx.base_dir, uri)
+        if not exists(path):
+            ctx.problems.append(f"inputs.{channel}: local path {str(path)!r} does not exist")
+        else:
+            spec.inputs[channel] = str(path)
+    for field_name, owner, attr in (("output_path", spec, "output_path"),
+                                    ("checkpoint.uri", spec.checkpoint, "uri")):
+        value = getattr(owner, attr)
+        if value is None:
+            continue
+        if s3.is_s3_uri(value):
+            try:
+                s3.check(value, field_name)
+                ctx.problems.append(
+                    f"{field_name}: {value!r}: local jobs write to a local folder; give a path")
+            except ValueError as exc:
+                ctx.problems.append(str(exc))
+        else:
+            setattr(owner, attr, str(resolve(ctx.base_dir, value)))
+
+
+RULES = (fits_this_machine, no_spot, local_paths)
