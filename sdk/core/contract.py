@@ -20,6 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtrain.core import toolkit
+from dtrain.core.toolkit import (  # noqa: F401 - TODO(relayout): callers move to toolkit
+    decode_hyperparameters,
+    encode_hyperparameters,
+)
+
 DEFAULT_ROOT = "/opt/ml"
 ROOT_ENV = "DTRAIN_ROOT"
 RESERVED_PREFIX = "dtrain_"
@@ -69,22 +75,6 @@ ATTENTION_KERNELS = ("flash", "sdpa", "eager")
 def bare_instance_type(instance_type: str) -> str:
     """``ml.p4d.24xlarge`` -> ``p4d.24xlarge`` (SageMaker names carry the prefix, EC2's do not)."""
     return instance_type.removeprefix("ml.")
-
-
-def efa_environment(instance_type: str, network_interface_name: str) -> dict[str, str]:
-    """NCCL/libfabric settings for EFA instance types (per the catalog); empty elsewhere."""
-    from dtrain import instances  # stdlib-only, like this module
-
-    try:
-        facts = instances.get(instance_type)
-    except ValueError:
-        return {}  # a type the catalog does not know: leave NCCL to its defaults
-    if not facts.efa_interfaces:
-        return {}
-    env = {"FI_PROVIDER": "efa", "NCCL_SOCKET_IFNAME": network_interface_name}
-    if facts.gpudirect_rdma:
-        env["FI_EFA_USE_DEVICE_RDMA"] = "1"
-    return env
 
 
 @dataclass(frozen=True)
@@ -222,22 +212,6 @@ def resolve_distribution(distribution: Mapping[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- writer (launcher side)
 
-def encode_hyperparameters(values: Mapping[str, Any]) -> dict[str, str]:
-    """Each value JSON-encoded as a string, as the SageMaker SDK sends hyperparameters."""
-    return {str(k): json.dumps(v) for k, v in values.items()}
-
-
-def decode_hyperparameters(values: Mapping[str, str]) -> dict[str, Any]:
-    """The toolkit's rule: ``json.loads`` each value, keep the raw string when it is not JSON."""
-    decoded = {}
-    for key, value in values.items():
-        try:
-            decoded[key] = json.loads(value)
-        except (TypeError, ValueError):
-            decoded[key] = value
-    return decoded
-
-
 def _write_json(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -280,7 +254,7 @@ def write_host_contract(
         "instance_groups": [group], "network_interface_name": network_interface_name,
     })
     _write_json(paths.hyperparameters_file,
-                encode_hyperparameters({**user_hps, **settings.to_hyperparameters()}))
+                toolkit.encode_hyperparameters({**user_hps, **settings.to_hyperparameters()}))
     _write_json(paths.input_data_config_file, {
         c: {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated",
             "RecordWrapperType": "None"} for c in channels
@@ -346,52 +320,11 @@ class Contract:
         return self.settings.source_dir or self.paths.code_dir
 
     def user_args(self) -> list[str]:
-        return to_cmd_args(self.hyperparameters)
-
-    def training_env(self) -> dict[str, Any]:
-        """What ``SM_TRAINING_ENV`` holds: the toolkit's environment as one object."""
-        entry = self.settings.entry_point
-        return {
-            "additional_framework_parameters": {}, "channel_input_dirs": self.channels,
-            "current_host": self.current_host,
-            "current_instance_type": self.settings.instance_type,
-            "hosts": sorted(self.hosts), "hyperparameters": self.hyperparameters,
-            "input_config_dir": self.paths.input_config_dir,
-            "input_data_config": self.input_data_config, "input_dir": self.paths.input_dir,
-            "is_master": self.current_host == self.master_host,
-            "job_name": self.settings.job_name, "log_level": self.log_level,
-            "master_hostname": self.master_host, "model_dir": self.paths.model_dir,
-            "module_dir": self.module_dir, "module_name": _module_name(entry),
-            "network_interface_name": self.network_interface_name,
-            "num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
-            "output_data_dir": self.paths.output_data_dir,
-            "output_dir": self.paths.output_dir,
-            "output_intermediate_dir": self.paths.output_intermediate_dir,
-            "resource_config": self.resource_config, "user_entry_point": entry,
-        }
+        return toolkit.to_cmd_args(self.hyperparameters)
 
     def sm_environment(self) -> dict[str, str]:
         """The ``SM_*`` variables exactly as the SageMaker training toolkit sets them."""
-        env: dict[str, Any] = {
-            "hosts": sorted(self.hosts), "network_interface_name": self.network_interface_name,
-            "hps": self.hyperparameters, "user_entry_point": self.settings.entry_point,
-            "framework_params": {}, "resource_config": self.resource_config,
-            "input_data_config": self.input_data_config,
-            "output_data_dir": self.paths.output_data_dir, "channels": sorted(self.channels),
-            "current_host": self.current_host,
-            "current_instance_type": self.settings.instance_type,
-            "module_name": _module_name(self.settings.entry_point),
-            "log_level": self.log_level, "input_dir": self.paths.input_dir,
-            "input_config_dir": self.paths.input_config_dir,
-            "output_dir": self.paths.output_dir, "num_cpus": self.num_cpus,
-            "num_gpus": self.num_gpus, "model_dir": self.paths.model_dir,
-            "module_dir": self.module_dir, "training_env": self.training_env(),
-            "user_args": self.user_args(),
-            "output_intermediate_dir": self.paths.output_intermediate_dir,
-        }
-        env.update({f"channel_{name}": path for name, path in self.channels.items()})
-        env.update({f"hp_{key}": value for key, value in self.hyperparameters.items()})
-        return to_env_vars(env)
+        return toolkit.sm_environment(self)
 
     def worker_environment(self) -> dict[str, str]:
         """``SM_*`` plus what dtrain's runtime reads: distribution, checkpoint dir, root."""
@@ -403,32 +336,6 @@ class Contract:
         }
 
 
-def _module_name(entry_point: str) -> str:
-    return entry_point.removesuffix(".py")
-
-
-def to_env_vars(mapping: Mapping[str, Any]) -> dict[str, str]:
-    """The toolkit's rule: ``SM_<KEY>``; strings as-is, anything else compact sorted JSON."""
-    def value(v: Any) -> str:
-        if isinstance(v, str):
-            return v
-        return json.dumps(v, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return {f"SM_{str(k).upper()}": value(v) for k, v in mapping.items()}
-
-
-def to_cmd_args(hyperparameters: Mapping[str, Any]) -> list[str]:
-    """The toolkit's rule: sorted keys, ``--key value`` (``-k`` for one letter), dicts as k=v,..."""
-    args: list[str] = []
-    for key in sorted(hyperparameters):
-        value = hyperparameters[key]
-        args.append(f"--{key}" if len(key) > 1 else f"-{key}")
-        if isinstance(value, Mapping):
-            args.append(",".join(f"{k}={v}" for k, v in sorted(value.items())))
-        else:
-            args.append(str(value))
-    return args
-
-
 def read_contract(root: str | None = None, *, num_gpus: int | None = None) -> Contract:
     """Read one host's contract from ``root`` (default ``$DTRAIN_ROOT`` or ``/opt/ml``)."""
     paths = Paths(os.path.abspath(root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT))
@@ -438,7 +345,7 @@ def read_contract(root: str | None = None, *, num_gpus: int | None = None) -> Co
             f"no contract at {paths.root}: {paths.resource_config_file} is missing; "
             f"pass --root or set {ROOT_ENV} to the job's host folder"
         )
-    raw = decode_hyperparameters(_read_json(paths.hyperparameters_file, {}))
+    raw = toolkit.decode_hyperparameters(_read_json(paths.hyperparameters_file, {}))
     reserved = {k: v for k, v in raw.items() if k.startswith(RESERVED_PREFIX)}
     settings = Settings.from_hyperparameters(reserved)
     input_data = _read_json(paths.input_data_config_file, {})

@@ -118,3 +118,18 @@ def get(name: str) -> InstanceType:
     raise ValueError(
         f"unknown instance type {name!r}; {hint}known types: {', '.join(CATALOG)}"
     )
+
+
+def efa_environment(instance_type: str, network_interface_name: str) -> dict[str, str]:
+    """NCCL/libfabric settings for EFA instance types (per the catalog); empty elsewhere."""
+
+    try:
+        facts = get(instance_type)
+    except ValueError:
+        return {}  # a type the catalog does not know: leave NCCL to its defaults
+    if not facts.efa_interfaces:
+        return {}
+    env = {"FI_PROVIDER": "efa", "NCCL_SOCKET_IFNAME": network_interface_name}
+    if facts.gpudirect_rdma:
+        env["FI_EFA_USE_DEVICE_RDMA"] = "1"
+    return env

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from dtrain.core import contract as c
+from dtrain.core import instances, toolkit
 
 
 def write(tmp_path, **overrides):
@@ -61,7 +62,7 @@ def test_reader_decodes_and_separates_reserved_settings(tmp_path):
 
 
 def test_non_json_hyperparameter_values_are_kept_as_strings():
-    assert c.decode_hyperparameters({"a": "abc", "b": "1.5", "c": '"q"'}) == \
+    assert toolkit.decode_hyperparameters({"a": "abc", "b": "1.5", "c": '"q"'}) == \
         {"a": "abc", "b": 1.5, "c": "q"}
 
 
@@ -101,7 +102,7 @@ def test_workers_also_get_the_resolved_distribution_and_checkpoint_dir(tmp_path)
 
 
 def test_single_letter_hyperparameters_become_short_options():
-    assert c.to_cmd_args({"k": 1, "epochs": 2}) == ["--epochs", "2", "-k", "1"]
+    assert toolkit.to_cmd_args({"k": 1, "epochs": 2}) == ["--epochs", "2", "-k", "1"]
 
 
 def test_user_hyperparameters_may_not_use_the_reserved_prefix(tmp_path):
@@ -115,11 +116,11 @@ def test_reading_a_missing_contract_says_where_it_looked(tmp_path):
 
 
 def test_efa_variables_only_on_efa_instance_types():
-    assert c.efa_environment("ml.p4d.24xlarge", "eth0") == {
+    assert instances.efa_environment("ml.p4d.24xlarge", "eth0") == {
         "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_SOCKET_IFNAME": "eth0"}
-    assert "FI_EFA_USE_DEVICE_RDMA" not in c.efa_environment("g5.48xlarge", "eth0")
-    assert c.efa_environment("ml.g5.xlarge", "eth0") == {}
-    assert c.efa_environment("local", "lo") == {}
+    assert "FI_EFA_USE_DEVICE_RDMA" not in instances.efa_environment("g5.48xlarge", "eth0")
+    assert instances.efa_environment("ml.g5.xlarge", "eth0") == {}
+    assert instances.efa_environment("local", "lo") == {}
 
 
 def test_contract_module_imports_only_the_standard_library():

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 
 from dtrain.core import contract as c
-from dtrain.core import logformat
+from dtrain.core import instances, logformat
 from dtrain.runtime import torch_private
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -80,7 +80,7 @@ def processes_per_host(contract: c.Contract) -> int:
 def apply_environment(contract: c.Contract) -> None:
     """Set what workers inherit: SM_*/DTRAIN_* always; EFA and CPU-only defaults unless set."""
     os.environ.update(contract.worker_environment())
-    for key, value in c.efa_environment(contract.settings.instance_type,
+    for key, value in instances.efa_environment(contract.settings.instance_type,
                                         contract.network_interface_name).items():
         os.environ.setdefault(key, value)
     if contract.settings.instance_type in c.CPU_INSTANCE_TYPES:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dtrain.core import contract
+from dtrain.core import contract, toolkit
 from dtrain.core.presets import count_parameters, get_preset
 from dtrain.runtime.train import metrics
 from dtrain.runtime.train.data import TOKENS_FILE, DistributedTokenLoader, TokenDataset
@@ -79,7 +79,7 @@ def reserved_hyperparameters() -> dict[str, Any]:
     path = Path(contract.Paths(root).hyperparameters_file)
     if not path.is_file():
         return {}
-    raw = contract.decode_hyperparameters(json.loads(path.read_text()))
+    raw = toolkit.decode_hyperparameters(json.loads(path.read_text()))
     return {k[len(contract.RESERVED_PREFIX):]: v for k, v in raw.items()
             if k.startswith(contract.RESERVED_PREFIX)}
 
