@@ -121,15 +121,10 @@ class RuntimeContext:
 
     def build_plan(self, *, sharding_degree: int | None = None, num_parameters: int | None = None,
                    device_memory_bytes: float | None = None) -> ParallelismPlan | None:
-        """The job's parallelism plan on this world (``dtrain.core.parallelism``, the function
-        ``dtrain plan`` used); ``sharding_degree`` overrides the setting. None: ``auto`` without
-        ``num_parameters``."""
-        inputs = self.config.plan_inputs()
-        if sharding_degree is not None:
-            inputs["sharding_degree"] = sharding_degree
-        return build_parallelism_plan(
-            inputs, world_size=self.world_size, devices_per_node=self.local_world_size,
-            num_parameters=num_parameters, device_memory_bytes=device_memory_bytes)
+        """The job's parallelism plan on this world; see :func:`resolve_plan`."""
+        return resolve_plan(self.config, self.facts, sharding_degree=sharding_degree,
+                            num_parameters=num_parameters,
+                            device_memory_bytes=device_memory_bytes)
 
     def build_mesh(self, plan: ParallelismPlan) -> DeviceMesh:
         """The plan's ``pp × dp_replicate × dp_shard × tp`` mesh (built once per context)."""
@@ -181,6 +176,25 @@ class RuntimeContext:
         )
 
 
+def resolve_plan(config: DistributionConfig, facts: ProcessFacts, *,
+                 sharding_degree: int | None = None, num_parameters: int | None = None,
+                 device_memory_bytes: float | None = None) -> ParallelismPlan | None:
+    """The plan the runtime uses: the launcher's (what ``dtrain plan`` printed) when it was made
+    for this world and nothing overrides it, else the planner's own function on this world
+    (``sharding_degree`` overrides the setting). None: ``auto`` without ``num_parameters``."""
+    plan = config.parallelism
+    fits = plan is not None and (plan.world_size, plan.devices_per_node) == (
+        facts.world_size, facts.local_world_size)
+    if fits and (sharding_degree is None or sharding_degree == plan.dp_shard):
+        return plan
+    inputs = config.plan_inputs()
+    if sharding_degree is not None:
+        inputs["sharding_degree"] = sharding_degree
+    return build_parallelism_plan(
+        inputs, world_size=facts.world_size, devices_per_node=facts.local_world_size,
+        num_parameters=num_parameters, device_memory_bytes=device_memory_bytes)
+
+
 def resolve_backend(requested: str, *, cuda_available: bool) -> str:
     if requested == "nccl" and not cuda_available:
         raise ValueError(
@@ -225,16 +239,15 @@ def init(
         comm_stats=stats,
         **_contract_paths(),
     )
-    plan = config.parallelism
-    if plan is not None and (plan.world_size, plan.devices_per_node) != (
+    planned = config.parallelism
+    if planned is not None and (planned.world_size, planned.devices_per_node) != (
             facts.world_size, facts.local_world_size):
         logging.getLogger(__name__).warning(
             "the job's parallelism plan is for %d ranks, %d per node, but %d run here, %d per "
             "node (local_gpu uses every GPU it finds); planning again for this world",
-            plan.world_size, plan.devices_per_node, facts.world_size, facts.local_world_size)
-        plan = None
-    if plan is None:  # a script run by hand, sharding_degree auto, or another world
-        plan = ctx.build_plan()
+            planned.world_size, planned.devices_per_node, facts.world_size,
+            facts.local_world_size)
+    plan = ctx.build_plan()
     if plan is not None:
         ctx.build_mesh(plan)
     return ctx

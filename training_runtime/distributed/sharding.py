@@ -71,7 +71,7 @@ def shard(
 def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
                   override: int | None) -> ParallelismPlan:
     """The context's plan; with ``override`` or ``auto`` the same planning function again."""
-    if ctx.plan is not None and (override is None or override == ctx.plan.dp_shard):
+    if ctx.plan is not None and override in (None, ctx.plan.dp_shard):
         return ctx.plan
     plan = ctx.build_plan(sharding_degree=override,
                           num_parameters=sum(p.numel() for p in model.parameters()),
