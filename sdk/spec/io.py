@@ -1,24 +1,58 @@
-"""Reading spec files and applying ``--set key.path=value`` overrides."""
+"""Reading spec files and applying ``--set key.path=value`` overrides.
+
+Spec files are read as YAML 1.2 reads numbers (``lr: 1e-3`` is the number 0.001, not the
+string YAML 1.1 makes of it), and a key given twice in one mapping is an error naming its line
+instead of the last one silently winning.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 import yaml
 from dtrain.core.errors import SpecError
+
+# YAML 1.2's core-schema float: YAML 1.1's resolver wants a dot and a signed exponent.
+_FLOAT_12 = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$")
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """safe_load, with YAML 1.2 exponent floats and duplicate keys refused."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise SpecError(f"{key_node.start_mark.name}, line {line}: key {key!r} is given "
+                                f"twice (first on line {seen[key]}); keep one")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+_SpecLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+
+
+def _load_yaml(text: Any) -> Any:
+    return yaml.load(text, Loader=_SpecLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
 def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
     """Parse a YAML or JSON spec file into a dict, with one-line errors."""
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
+            data = _load_yaml(fh)
     except FileNotFoundError:
         raise SpecError(f"spec file {os.fspath(path)!r} not found; check the path") from None
     except IsADirectoryError:
         raise SpecError(f"{os.fspath(path)!r} is a folder; pass the job's YAML file") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"{os.fspath(path)}: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                        f"at offset {exc.start}); save the spec as UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -61,8 +95,8 @@ def parse_value(raw: str) -> Any:
     except ValueError:
         pass
     try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError:
+        return _load_yaml(raw)
+    except (yaml.YAMLError, SpecError):
         return raw
 
 

@@ -290,6 +290,16 @@ class JobSpec(_Model):
 
     # --- construction -------------------------------------------------------------------
 
+    def __init__(self, **data: Any) -> None:
+        """``JobSpec(name=..., compute={...})`` from Python: the same one-line ``SpecError``
+        messages as ``from_dict`` (relative paths resolve against the working directory)."""
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            from dtrain.spec.errors import explain
+
+            raise SpecError(explain(exc, type(self))) from None
+
     @classmethod
     def from_dict(cls, data: Any, *, base_dir: str | os.PathLike | None = None) -> JobSpec:
         """Validate ``data``; relative paths resolve against ``base_dir`` (default: cwd)."""

@@ -1,0 +1,58 @@
+"""What the user writes arrives as written: YAML numbers, duplicate keys, encodings, Python."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from dtrain.core.errors import SpecError
+from dtrain.spec.model import JobSpec
+
+
+def dtrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
+                          text=True, timeout=60, check=False)
+
+
+def test_numbers_written_as_numbers_arrive_as_numbers(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("entry_point: recipe:causal_lm\n"
+                    "hyperparameters: {lr: 1e-3, wd: 5E+2, tag: '1e-3', steps: 10}\n")
+    out = json.loads(dtrain("validate", str(spec), "-o", "json").stdout)
+    assert out["hyperparameters"] == {"lr": 0.001, "wd": 500.0, "tag": "1e-3", "steps": 10}
+    # --set values read the same way
+    out = json.loads(dtrain("validate", str(spec), "--set", "hyperparameters.lr=2e-4",
+                            "-o", "json").stdout)
+    assert out["hyperparameters"]["lr"] == 0.0002
+
+
+def test_a_key_given_twice_is_an_error_naming_its_line(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("entry_point: recipe:causal_lm\ncompute:\n  instance_count: 1\n"
+                    "  instance_count: 2\n")
+    result = dtrain("validate", str(spec))
+    assert result.returncode == 2
+    assert result.stderr == (f"error: {spec}, line 4: key 'instance_count' is given twice "
+                             "(first on line 3); keep one\n")
+
+
+def test_a_spec_that_is_not_utf8_is_one_line_and_exit_2(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_bytes("entry_point: recipe:causal_lm\nname: caf\xe9\n".encode("latin-1"))
+    result = dtrain("validate", str(spec))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {spec}: not UTF-8 text (byte 0xe9")
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_jobspec_from_python_raises_the_same_one_line_errors_as_from_dict():
+    with pytest.raises(SpecError) as from_python:
+        JobSpec(entry_point="recipe:causal_lm", compute={"instance_count": 0})
+    with pytest.raises(SpecError) as from_dict:
+        JobSpec.from_dict({"entry_point": "recipe:causal_lm", "compute": {"instance_count": 0}})
+    assert str(from_python.value) == str(from_dict.value) == \
+        "compute.instance_count: input should be greater than or equal to 1 (got 0)"
+    assert "pydantic" not in str(from_python.value)
+    assert JobSpec(entry_point="recipe:causal_lm").name == "causal-lm"
