@@ -12,6 +12,7 @@ import json
 import os
 import re
 import warnings
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -248,6 +249,12 @@ class Ec2Options(_Model):
         return value
 
 
+# The folder relative paths in the spec resolve against while it is validated (from_file: the
+# spec file's folder); a context variable because pydantic's validation context does not reach
+# a model built by its own __init__.
+_BASE_DIR: ContextVar[Path | None] = ContextVar("dtrain_spec_base_dir", default=None)
+
+
 class JobSpec(_Model):
     """A training job: what to run, on what, and how it is distributed."""
 
@@ -305,13 +312,14 @@ class JobSpec(_Model):
         """Validate ``data``; relative paths resolve against ``base_dir`` (default: cwd)."""
         if not isinstance(data, dict):
             raise SpecError(f"spec: expected a mapping of fields, got {type(data).__name__}")
-        context = {"base_dir": Path(base_dir or os.getcwd())}
+        odd = [key for key in data if not isinstance(key, str)]
+        if odd:
+            raise SpecError(f"spec: field names are text, got {odd[0]!r}; quote it or remove it")
+        token = _BASE_DIR.set(Path(base_dir or os.getcwd()))
         try:
-            return cls.model_validate(data, context=context)
-        except ValidationError as exc:
-            from dtrain.spec.errors import explain
-
-            raise SpecError(explain(exc, cls)) from None
+            return cls(**data)
+        finally:
+            _BASE_DIR.reset(token)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, *, overrides: list[str] = ()) -> JobSpec:
@@ -378,8 +386,7 @@ class JobSpec(_Model):
     def _cross_field_rules(self, info: ValidationInfo) -> JobSpec:
         from dtrain.spec.rules import check_spec
 
-        base_dir = (info.context or {}).get("base_dir") or Path(os.getcwd())
-        problems, notes = check_spec(self, Path(base_dir))
+        problems, notes = check_spec(self, _BASE_DIR.get() or Path(os.getcwd()))
         for note in notes:
             warnings.warn(note, SpecWarning, stacklevel=2)
         if problems:
