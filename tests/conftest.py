@@ -13,6 +13,13 @@ def dtrain_home(tmp_path_factory, monkeypatch):
     home = tmp_path_factory.mktemp("dtrain-home")
     monkeypatch.setenv("DTRAIN_HOME", str(home))
     monkeypatch.delenv("DTRAIN_JOBS_DB", raising=False)
+    # AWS settings of the test, never of the machine: a region boto3 and dtrain agree on, and
+    # no config file or credentials from the developer's home
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(home / "aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "aws-credentials"))
+    if not os.environ.get("AWS_REGION"):
+        monkeypatch.setenv("AWS_DEFAULT_REGION", os.environ.get("AWS_DEFAULT_REGION",
+                                                               "us-east-1"))
     return home
 
 
