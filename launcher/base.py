@@ -180,6 +180,10 @@ class Launcher(ABC):
     def stop(self, handle: Handle, journal: Journal) -> Handle:
         """Ask the job to stop; returns the job as recorded afterwards (Stopping, or final)."""
 
+    def hosts(self, handle: Handle) -> list[str] | None:
+        """The job's host names as ``logs`` takes them (None: not known yet)."""
+        return None
+
     def pending_cleanup(self, handle: Handle) -> PendingCleanup | None:
         """For an ended job: what ``status`` has yet to remove (it retries on each call), or None.
 

@@ -198,13 +198,13 @@ class LocalLauncher(Launcher):
                          "the local job monitor exited unexpectedly"}
         return _update_from(facts)
 
+    def hosts(self, handle: Handle) -> list[str] | None:
+        return list(handle.state.hosts) or None
+
     def logs(self, handle: Handle, *, follow: bool, host: str | None, rank: int | None,
              ended: Callable[[], bool]) -> Iterator[str]:
         state: LocalState = handle.state
         hosts = [h for h in state.hosts if host in (None, h)]
-        if host and not hosts:
-            raise DtrainError(f"host {host!r} is not part of job {handle.job.id}; "
-                              f"hosts: {', '.join(state.hosts)}")
         offsets = {h: 0 for h in hosts}
         while True:
             done = not follow or ended()

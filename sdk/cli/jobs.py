@@ -120,10 +120,18 @@ def _print_transition(record: Any) -> None:
 @click.option("--yes", "-y", is_flag=True,
               help="EC2: launch without asking, even when max_run could cost more than "
                    "ec2.confirm_above_usd.")
+@click.option("--stop-on-interrupt", is_flag=True,
+              help="Ctrl-C while waiting stops the job (SIGTERM, so it checkpoints) instead of "
+                   "leaving it running.")
 @OUTPUT_OPTION
 def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait: bool,
-           follow: bool, dry_run: bool, yes: bool, output: str) -> None:
-    """Run a job spec on its target (this machine by default)."""
+           follow: bool, dry_run: bool, yes: bool, stop_on_interrupt: bool, output: str) -> None:
+    """Run a job spec on its target (this machine by default).
+
+    Waiting (the default) or --follow ends with the job; Ctrl-C then only stops the waiting:
+    the job keeps running, and dtrain says how to follow or stop it. With --stop-on-interrupt,
+    Ctrl-C stops the job too.
+    """
     from dtrain.jobs import api as jobs
 
     spec = load_spec(spec_path, overrides, target)
@@ -134,17 +142,37 @@ def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait:
     if output != "json":
         click.echo(f"submitted {record.id} ({record.name}) · target {record.target} · "
                    f"logs: dtrain logs {record.id}")
-    if follow:
-        for line in jobs.logs(record.id, follow=True):
-            click.echo(line)
-    elif wait and output != "json":
-        _show_progress(record.id)
     if not (wait or follow):
         if output == "json":
             echo_json(record.to_dict())
         return
-    _finish(jobs.wait_for(record.id, on_status=None if output == "json" else _print_transition),
-            output)
+    try:
+        if follow:
+            for line in jobs.logs(record.id, follow=True):
+                click.echo(line)
+        elif output != "json":
+            _show_progress(record.id)
+        final = jobs.wait_for(record.id,
+                              on_status=None if output == "json" else _print_transition)
+    except KeyboardInterrupt:
+        _interrupted(record, stop=stop_on_interrupt)
+    _finish(final, output)
+
+
+def _interrupted(record: Any, *, stop: bool) -> None:
+    """Ctrl-C while waiting: say what happens to the job, then exit 130."""
+    from dtrain.jobs import api as jobs
+
+    click.echo(err=True)
+    if stop:
+        stopped = jobs.stop(record.id)
+        click.echo(f"interrupted: stopping job {record.id} ({stopped.status}); it checkpoints "
+                   f"and ends within the grace period; see `dtrain status {record.id}`", err=True)
+    else:
+        click.echo(f"interrupted: job {record.id} ({record.name}) keeps running; follow it with "
+                   f"`dtrain logs {record.id} --follow`, stop it with `dtrain stop {record.id}`",
+                   err=True)
+    raise SystemExit(130)
 
 
 @click.command("list")
@@ -165,9 +193,10 @@ def list_command(target: str | None, limit: int, refresh: bool, output: str) -> 
     if output == "json":
         echo_json([r.to_dict() for r in records])
         return
-    click.echo(f"{'ID':<12}  {'NAME':<24}  {'TARGET':<9}  {'STATUS':<9}  {'CREATED':<19}  TIME")
+    width = max([4, *(len(r.name) for r in records)])
+    click.echo(f"{'ID':<12}  {'NAME':<{width}}  {'TARGET':<9}  {'STATUS':<9}  {'CREATED':<19}  TIME")
     for r in records:
-        click.echo(f"{r.id:<12}  {r.name[:24]:<24}  {r.target:<9}  {r.status:<9}  "
+        click.echo(f"{r.id:<12}  {r.name:<{width}}  {r.target:<9}  {r.status:<9}  "
                    f"{_fmt_time(r.created_at):<19}  {_duration(r)}")
 
 
@@ -202,8 +231,14 @@ def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
     """Print a job's logs, every host and rank prefixed `[host rank]:`."""
     from dtrain.jobs import api as jobs
 
+    printed = 0
     for line in jobs.logs(job, follow=follow, host=host, rank=rank):
         click.echo(line)
+        printed += 1
+    if not printed:
+        which = " and ".join(filter(None, [host and f"host {host}",
+                                           rank is not None and f"rank {rank}"]))
+        click.echo(f"no log lines{' for ' + which if which else ''} (yet) in job {job}", err=True)
 
 
 @click.command()

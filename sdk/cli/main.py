@@ -128,8 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors print one line and exit 2 (invalid input) or 1 (failure)."""
     from dtrain.core.errors import DtrainError
 
-    args = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in args
+    if debug:  # accepted anywhere on the line, not only before the subcommand
+        args = ["--debug", *(a for a in args if a != "--debug")]
     try:
         cli.main(args=args, prog_name="dtrain", standalone_mode=False)
     except click.exceptions.Abort:

@@ -113,7 +113,11 @@ def get(name: str) -> InstanceType:
     key = canonical_name(name)
     if key in CATALOG:
         return CATALOG[key]
-    close = difflib.get_close_matches(key, CATALOG, n=1, cutoff=0.5)
+    # only a type of the same family is a likely typo (p4d.12xlarge -> p4d.24xlarge); a family
+    # the catalog lacks (p9) gets no guess, just the list
+    family = key.split(".", 1)[0]
+    same_family = [t for t in CATALOG if t.split(".", 1)[0] == family]
+    close = difflib.get_close_matches(key, same_family, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise ValueError(
         f"unknown instance type {name!r}; {hint}known types: {', '.join(CATALOG)}"

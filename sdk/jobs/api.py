@@ -136,11 +136,25 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
 
 # ---------------------------------------------------------------- after submission
 
+def find(job: str, *, store: JobStore | None = None,
+         on_note: Callable[[str], None] | None = None) -> JobRecord:
+    """A job by id, id prefix or name — the spec's name or the target's. A name several jobs
+    share finds the latest, and ``on_note`` (default: stderr) hears which and the others."""
+    matches = (store or JobStore()).find_all(job)
+    if len(matches) > 1:
+        others = ", ".join(f"{r.id} ({r.status})" for r in matches[1:6])
+        more = f" and {len(matches) - 6} more" if len(matches) > 6 else ""
+        (on_note or note_to_stderr)(
+            f"{len(matches)} jobs are named {job!r}; this is the latest, {matches[0].id} "
+            f"({matches[0].name}); the others: {others}{more} (give an id to pick one)")
+    return matches[0]
+
+
 def get(job: str, *, store: JobStore | None = None,
         clients: dict[str, Any] | None = None) -> JobRecord:
-    """A job by id, id prefix or name, refreshed from its target."""
+    """A job by id, id prefix or name (see ``find``), refreshed from its target."""
     store = store or JobStore()
-    record = store.find(job)
+    record = find(job, store=store)
     return refresh(record, launcher_for(record.target, clients), store)
 
 
@@ -171,20 +185,48 @@ def list_jobs(*, target: str | None = None, limit: int | None = None,
 def logs(job: str, *, follow: bool = False, host: str | None = None, rank: int | None = None,
          store: JobStore | None = None, clients: dict[str, Any] | None = None) -> Iterator[str]:
     store = store or JobStore()
-    record = store.find(job)
+    record = find(job, store=store)
     launcher = launcher_for(record.target, clients)
+    handle = handle_of(record, launcher)
+    _check_log_filter(record, launcher.hosts(handle), host=host, rank=rank)
 
     def ended() -> bool:
         return refresh(store.get(record.id), launcher, store).is_final
 
-    return launcher.logs(handle_of(record, launcher), follow=follow, host=host, rank=rank,
-                         ended=ended)
+    return launcher.logs(handle, follow=follow, host=host, rank=rank, ended=ended)
+
+
+def world_size(record: JobRecord) -> int | None:
+    """The job's number of ranks from its stored spec (None when it cannot tell)."""
+    from dtrain.core import instances
+
+    compute = (record.spec or {}).get("compute") or {}
+    if compute.get("instance_type") == "local_gpu" and not compute.get("processes_per_instance"):
+        return None  # every GPU the agent finds
+    try:
+        per_node = compute.get("processes_per_instance") or \
+            max(1, instances.get(compute.get("instance_type", "local")).gpus)
+        return int(compute.get("instance_count", 1)) * int(per_node)
+    except (ValueError, TypeError):
+        return None
+
+
+def _check_log_filter(record: JobRecord, hosts: list[str] | None, *, host: str | None,
+                      rank: int | None) -> None:
+    from dtrain.core.errors import SpecError
+
+    world = world_size(record)
+    if rank is not None and (rank < 0 or (world is not None and rank >= world)):
+        valid = f"0 to {world - 1}" if world else "0 or more"
+        raise SpecError(f"--rank {rank}: job {record.id} has ranks {valid}")
+    if host is not None and hosts is not None and host not in hosts:
+        raise SpecError(f"--host {host!r}: job {record.id} runs on {', '.join(hosts)}")
 
 
 def stop(job: str, *, wait: bool = False, store: JobStore | None = None,
          clients: dict[str, Any] | None = None, timeout_s: float | None = None) -> JobRecord:
     store = store or JobStore()
-    record = store.find(job)
+    record = find(job, store=store)
     launcher = launcher_for(record.target, clients)
     record = refresh(record, launcher, store)
     launcher.stop(handle_of(record, launcher), StoreJournal(store, launcher, record.id))

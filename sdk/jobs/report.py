@@ -13,7 +13,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 import re
 import time
 from collections.abc import Iterable, Sequence
@@ -85,9 +84,10 @@ def job_metrics(record: JobRecord, *, store: JobStore | None = None,
 
     rows = parse_log_lines(jobs.logs(record.id, rank=0, store=store, clients=clients))
     if not rows:
-        raise DtrainError(f"job {record.id} ({record.status}) has no metrics yet: no "
-                          f"{JSONL_NAME} and no `dtrain-metrics` lines in rank 0's logs; the "
-                          f"trainer logs every log_interval steps, see `dtrain logs {record.id}`")
+        what = "logged no metrics" if record.is_final else "has no metrics yet"
+        raise DtrainError(f"job {record.id} ({record.status}) {what}: no {JSONL_NAME} and no "
+                          f"`dtrain-metrics` lines in rank 0's logs; the trainer logs every "
+                          f"log_interval steps, see `dtrain logs {record.id}`")
     return by_step(rows)
 
 
@@ -323,9 +323,13 @@ def write_report(job: str, *, output: str | None = None, fmt: str = "html",
         extra = (metric,) if metric and metric not in HTML_METRICS else ()
         text = render_html(record, rows, metrics=(*HTML_METRICS, *extra))
     path = Path(output or default_output(job, fmt=fmt, metric=metric or "loss"))
-    if path.parent != Path():
-        os.makedirs(path.parent, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    if not path.parent.is_dir():
+        raise DtrainError(f"--file {str(path)!r}: the folder {str(path.parent)!r} does not "
+                          "exist; create it or write elsewhere")
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise DtrainError(f"--file {str(path)!r}: {exc.strerror}") from None
     return path
 
 

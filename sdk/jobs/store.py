@@ -214,12 +214,20 @@ class JobStore:
         return rows[0]
 
     def find(self, ref: str) -> JobRecord:
-        """A job by exact id, by name (the latest), or by a unique id prefix."""
+        """A job by exact id, by name (the latest; see :meth:`find_all`), or by a unique id
+        prefix. A name is the one the spec gave (``pythia-1b-p4d``) or the one the target
+        gave the job (``pythia-1b-p4d-20261124-001019``)."""
+        return self.find_all(ref)[0]
+
+    def find_all(self, ref: str) -> list[JobRecord]:
+        """Every job ``ref`` names, newest first: one for an id or a unique id prefix, all the
+        jobs of a name. Raises DtrainError when none matches."""
         cols = ",".join(_COLUMNS)
         rows = self._query(f"SELECT {cols} FROM jobs WHERE id = ?", (ref,))
         if not rows:
-            rows = self._query(f"SELECT {cols} FROM jobs WHERE name = ? "
-                               f"ORDER BY created_at DESC LIMIT 1", (ref,))
+            rows = self._query(
+                f"SELECT {cols} FROM jobs WHERE name = ? OR json_extract(spec, '$.name') = ? "
+                "ORDER BY created_at DESC, rowid DESC", (ref, ref))
         if not rows and ref:
             pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
             rows = self._query(f"SELECT {cols} FROM jobs WHERE id LIKE ? ESCAPE '\\'",
@@ -230,7 +238,7 @@ class JobStore:
                                   f"give more characters of the id")
         if not rows:
             raise DtrainError(f"no job with id, id prefix or name {ref!r}; see `dtrain list`")
-        return rows[0]
+        return rows
 
     def list(self, *, target: str | None = None, status: str | None = None,
              limit: int | None = None) -> list[JobRecord]:

@@ -23,16 +23,30 @@ def _money(value: float | None) -> str:
     return "n/a" if value is None else f"${value:,.2f}"
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
+def duration(seconds: float) -> str:
+    """``600`` -> ``10 min``, ``7200`` -> ``2 h``, ``172800`` -> ``2 d``, ``5400`` -> ``1.5 h``."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:g} s"
+
+
 def render_plan(plan: Plan) -> str:
     spec = plan.spec
-    degree = plan.sharding_degree
-    mesh = f"{plan.replicate_degree} × {degree}" if degree else "resolved at run time"
+    p = plan.parallelism
+    mesh = (" × ".join(f"{axis} {size}" for axis, size in zip(p.mesh_axis_names, p.mesh_shape))
+            + f" ({p.strategy})") if p else "sharding degree resolved at run time"
     within = {None: "-", True: "yes", False: "no (spans nodes)"}[plan.group_within_node]
     rows = [
         ["job", f"{spec.name} ({spec.entry_point})"],
         ["target", f"{spec.compute.target} · {plan.num_nodes} × {plan.instance.name}"],
-        ["world size", f"{plan.world_size} ({plan.num_nodes} nodes × {plan.processes_per_node})"],
-        ["mesh replicate × shard", mesh],
+        ["world size", (f"{plan.world_size} ({plural(plan.num_nodes, 'node')} × "
+                       f"{plural(plan.processes_per_node, 'process')})")],
+        ["mesh", mesh],
         ["partition group in one node", within],
         ["backend", (f"{plan.backend} (hierarchical all-gather: "
                      f"{'on' if plan.hierarchical_allgather else 'off'})")],
@@ -52,7 +66,7 @@ def render_plan(plan: Plan) -> str:
     rows += [
         ["$/hour", (f"{_money(plan.cost_per_hour)} ({plan.num_nodes} × "
                     f"{_money(plan.price_per_hour)}, prices of {plan.instance.price_date})")],
-        [f"$ for max_run ({spec.compute.max_run / 3600:g} h)", _money(plan.max_run_cost)],
+        [f"$ for max_run ({duration(spec.compute.max_run)})", _money(plan.max_run_cost)],
     ]
     out = [table(rows)]
     if plan.strategies:

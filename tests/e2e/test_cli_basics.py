@@ -73,7 +73,13 @@ def test_plan_json_resolves_the_mesh(spec_file):
 def test_plan_text_shows_a_strategy_table(spec_file):
     result = dtrain("plan", str(spec_file))
     assert result.returncode == 0
-    assert "mesh replicate × shard" in result.stdout and "tokens/s" in result.stdout
+    assert "mesh                         sharding degree resolved at run time" in result.stdout
+    assert "world size                   1 (1 node × 1 process)" in result.stdout
+    assert "tokens/s" in result.stdout
+    result = dtrain("plan", str(spec_file), "--set", "distribution.sharding_degree=1",
+                    "--set", "compute.max_run=600")
+    assert "pp 1 × dp_replicate 1 × dp_shard 1 × tp 1 (DDP)" in result.stdout
+    assert "$ for max_run (10 min)" in result.stdout
 
 
 def test_schema_is_json_schema_of_the_jobspec():
@@ -89,7 +95,7 @@ def test_instances_lists_the_catalog_with_price_date():
 def test_submit_dry_run_prints_the_plan_then_the_request(spec_file):
     result = dtrain("submit", str(spec_file), "--dry-run")
     assert result.returncode == 0, result.stderr
-    plan_at = result.stdout.index("mesh replicate × shard")
+    plan_at = result.stdout.index("\nmesh ")
     request_at = result.stdout.index("request (local):")
     assert plan_at < request_at
     data = json.loads(dtrain("submit", str(spec_file), "--dry-run", "-o", "json").stdout)

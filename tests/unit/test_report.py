@@ -150,9 +150,10 @@ def test_without_metrics_jsonl_the_report_reads_rank_0_log_lines(tmp_path):
         {"step": 20, "loss": 3.517951, "tokens_per_s": 9651.687}]
 
 
-def test_a_job_without_metrics_yet_is_a_one_line_error(tmp_path):
+def test_a_job_without_metrics_is_a_one_line_error_saying_whether_it_ended(tmp_path):
     record = local_job(tmp_path, log_lines=["[algo-1 0]:starting"])
-    with pytest.raises(DtrainError, match=f"job {record.id} .*has no metrics yet") as info:
+    with pytest.raises(DtrainError, match=f"job {record.id} \\(Completed\\) logged no metrics:") \
+            as info:
         report.write_report(record.id, output=str(tmp_path / "r.html"))
     assert "\n" not in str(info.value)
     assert not (tmp_path / "r.html").exists()
@@ -165,6 +166,9 @@ def test_write_report_writes_html_or_one_svg_where_asked(tmp_path, monkeypatch):
     path = report.write_report("tiny-lm", fmt="svg", metric="tokens_per_s")
     assert str(path) == "tiny-lm-tokens_per_s.svg"
     assert "tokens/s" in path.read_text()
+    with pytest.raises(DtrainError, match=r"the folder .*out' does not exist; create it"):
+        report.write_report("tiny-lm", fmt="svg", output=str(tmp_path / "out" / "l.svg"))
+    (tmp_path / "out").mkdir()
     nested = report.write_report("tiny-lm", fmt="svg", output=str(tmp_path / "out" / "l.svg"))
     assert len(polyline_points(nested.read_text())) == 6
     html = report.write_report("tiny-lm", metric="lr").read_text()

@@ -1,0 +1,132 @@
+"""Paths a user takes one step past the quickstart: Ctrl-C while waiting, a job found by the name
+the user gave it, log filters, --debug anywhere, typos in instance types."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from dtrain.jobs import api as jobs
+from dtrain.jobs.store import JobStore
+
+
+def dtrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
+                          text=True, timeout=120, check=False, **kwargs)
+
+
+def write_job(tmp_path, script: str, **compute) -> str:
+    code = tmp_path / "code"
+    code.mkdir(exist_ok=True)
+    (code / "train.py").write_text(textwrap.dedent(script))
+    spec = tmp_path / "job.yaml"
+    compute = {"instance_type": "local", "instance_count": 1, "processes_per_instance": 1,
+               "max_run": 120, **compute}
+    spec.write_text(json.dumps({"name": "patient", "entry_point": "train.py",
+                                "source_dir": str(code), "compute": compute}))
+    return str(spec)
+
+
+def _interrupt_waiting_submit(spec: str, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli.main", "submit", spec, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()  # "submitted <id> (...)"
+    job = first.split()[1]
+    deadline = time.monotonic() + 60
+    while jobs.get(job).status != "Running":
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, first + out, err), job
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_how_to_follow_or_stop_it(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("DTRAIN_STOP_GRACE_PERIOD", "2")
+    spec = write_job(tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    result, job = _interrupt_waiting_submit(spec)
+    assert result.returncode == 130
+    assert f"interrupted: job {job} (patient) keeps running; follow it with `dtrain logs {job} " \
+        f"--follow`, stop it with `dtrain stop {job}`" in result.stderr
+    assert jobs.get(job).status == "Running"
+    assert jobs.stop(job, wait=True, timeout_s=60).status == "Stopped"
+
+    result, job = _interrupt_waiting_submit(spec, "--stop-on-interrupt")
+    assert result.returncode == 130 and f"interrupted: stopping job {job}" in result.stderr
+    assert jobs.wait_for(job, timeout_s=60).status == "Stopped"
+
+
+def test_the_name_a_user_gave_finds_the_latest_of_its_jobs_and_names_the_others(tmp_path):
+    store = JobStore()
+    older = store.create(name="pythia-1b-p4d-20261124-001019", target="sagemaker",
+                         spec={"name": "pythia-1b-p4d"}, status="Completed", created_at=100.0)
+    newer = store.create(name="pythia-1b-p4d-20261124-101500", target="sagemaker",
+                         spec={"name": "pythia-1b-p4d"}, status="Failed", created_at=200.0)
+    notes = []
+    assert jobs.find("pythia-1b-p4d", store=store, on_note=notes.append).id == newer.id
+    assert notes == [(f"2 jobs are named 'pythia-1b-p4d'; this is the latest, {newer.id} "
+                     f"(pythia-1b-p4d-20261124-101500); the others: {older.id} (Completed) "
+                     "(give an id to pick one)")]
+    # the target's full name and the id still find exactly one, without a note
+    assert jobs.find("pythia-1b-p4d-20261124-001019", store=store).id == older.id
+    assert jobs.find(older.id[:6], store=store).id == older.id
+
+
+def test_dtrain_list_shows_full_names(tmp_path):
+    JobStore().create(name="a-rather-long-job-name-for-a-list-20261124-001019", target="local",
+                      spec={}, status="Completed")
+    out = dtrain("list", "--no-refresh").stdout
+    assert "a-rather-long-job-name-for-a-list-20261124-001019" in out
+
+
+def _finished_local_job(tmp_path) -> str:
+    spec = write_job(tmp_path, "print('hello', flush=True)\n", instance_count=2)
+    result = dtrain("submit", spec, "-o", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["id"]
+
+
+@pytest.mark.slow
+def test_log_filters_outside_the_job_are_input_errors_and_an_empty_log_says_so(tmp_path):
+    job = _finished_local_job(tmp_path)
+    for flag, value in (("--rank", "7"), ("--rank", "-1")):
+        result = dtrain("logs", job, flag, value)
+        assert result.returncode == 2
+        assert result.stderr == f"error: --rank {value}: job {job} has ranks 0 to 1\n"
+    result = dtrain("logs", job, "--host", "algo-9")
+    assert result.returncode == 2
+    assert result.stderr == f"error: --host 'algo-9': job {job} runs on algo-1, algo-2\n"
+    ok = dtrain("logs", job, "--rank", "1")
+    assert ok.returncode == 0 and "[algo-2 1]:hello" in ok.stdout
+    for host in ("algo-1", "algo-2"):  # one prefix format: [host] for agent lines
+        lines = dtrain("logs", job, "--host", host).stdout.splitlines()
+        assert lines and all(line.startswith((f"[{host}] ", f"[{host} ")) for line in lines)
+    record = JobStore().get(job)
+    for host in ("algo-1", "algo-2"):  # the same job with its logs gone
+        os.truncate(os.path.join(record.target_data["job_dir"], host, "output", "agent.log"), 0)
+    empty = dtrain("logs", job)
+    assert empty.returncode == 0 and empty.stdout == ""
+    assert empty.stderr == f"no log lines (yet) in job {job}\n"
+
+
+def test_debug_is_accepted_after_the_subcommand(tmp_path):
+    result = dtrain("validate", str(tmp_path / "missing.yaml"), "--debug")
+    assert result.returncode != 0 and "Traceback" in result.stderr
+    assert "No such option" not in result.stderr
+
+
+def test_unknown_instance_types_suggest_only_their_own_family(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("entry_point: recipe:causal_lm\n")
+    far = dtrain("validate", str(spec), "--set", "compute.instance_type=ml.p9.96xlarge")
+    assert far.returncode == 2 and "did you mean" not in far.stderr
+    near = dtrain("validate", str(spec), "--set", "compute.instance_type=p4d.12xlarge")
+    assert "did you mean 'p4d.24xlarge'?" in near.stderr
