@@ -14,6 +14,12 @@ from typing import IO, Any
 
 from dtrain.core.errors import DtrainError
 
+# Tags on everything dtrain creates, the same keys on every cloud target, so one tag query
+# finds a job's resources wherever it ran.
+TAG_JOB = "dtrain:job"
+TAG_CREATED_BY = "dtrain:created-by"
+CREATED_BY = "dtrain"
+
 # Codes that mean "your request or account is wrong", shown as one line without a traceback.
 USER_ERROR_CODES = {
     "ResourceLimitExceeded": "raise the quota in Service Quotas (SageMaker: '<type> for training "

@@ -2,8 +2,11 @@
 
 Estimator code written for the SageMaker SDK v2 ``PyTorch`` class runs after changing only its
 import line: the constructor arguments that matter become a ``JobSpec`` (SMP distribution dicts
-are translated by ``dtrain.spec.smp``), and ``fit`` submits it with dtrain's SageMaker launcher,
-so the job runs dtrain's node agent with the same container contract as every other target.
+are translated by ``dtrain.spec.smp``), and ``fit`` submits it through ``dtrain.jobs.api`` to the
+SageMaker target, so the job is in dtrain's job store (``dtrain status``/``logs``/``stop`` see it)
+and runs dtrain's node agent with the same container contract as every other target.
+``attach`` also takes a training job dtrain has no record of (started elsewhere): that one is
+asked of SageMaker by name, as the SageMaker SDK does.
 
 ``to_model_trainer(spec)`` goes the other way, to the official SDK's ``ModelTrainer`` (needs the
 ``sagemaker`` extra; imported only when called).
@@ -11,13 +14,17 @@ so the job runs dtrain's node agent with the same container contract as every ot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import time
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dtrain.core import names
 from dtrain.core.errors import DtrainError
+from dtrain.core.states import COMPLETED, FINAL_STATUSES, PENDING
 
 # Arguments the SageMaker SDK accepts that have no meaning for dtrain; accepted and ignored.
 _IGNORED = ("sagemaker_session", "checkpoint_local_path", "debugger_hook_config",
@@ -44,7 +51,8 @@ class PyTorch:
                  volume_kms_key: str | None = None, output_kms_key: str | None = None,
                  keep_alive_period_in_seconds: int | None = None,
                  enable_network_isolation: bool = False, max_retry_attempts: int | None = None,
-                 input_mode: str = "File", launcher: Any = None, **kwargs: Any):
+                 input_mode: str = "File", clients: dict[str, Any] | None = None,
+                 **kwargs: Any):
         unknown = sorted(set(kwargs) - set(_IGNORED))
         if unknown:
             raise DtrainError(f"PyTorch({unknown[0]}=...): not supported by dtrain.sagemaker; "
@@ -67,9 +75,11 @@ class PyTorch:
         self.enable_network_isolation = enable_network_isolation
         self.max_retry_attempts = max_retry_attempts
         self.input_mode = input_mode
-        self._launcher = launcher
+        self.clients = clients  # boto3 clients for the SageMaker target (tests pass moto's)
+        self._launcher: Any = None
+        self._job: _RecordedJob | _DescribedJob | None = None
         self.latest_training_job: str | None = None
-        self.latest_request: dict[str, Any] | None = None
+        self.latest_request: dict[str, Any] | None = None  # the CreateTrainingJob kwargs sent
 
     # ---------------------------------------------------------------- spec
 
@@ -118,9 +128,9 @@ class PyTorch:
 
     def _launcher_obj(self):
         if self._launcher is None:
-            from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
+            from dtrain.jobs import api as jobs
 
-            self._launcher = SageMakerLauncher()
+            self._launcher = jobs.launcher_for("sagemaker", self.clients)
         return self._launcher
 
     # ---------------------------------------------------------------- run
@@ -128,41 +138,46 @@ class PyTorch:
     def fit(self, inputs: Any = None, wait: bool = True, logs: Any = "All",
             job_name: str | None = None) -> None:
         """Submit the job; with ``wait``, stream its logs (``logs``) until it ends."""
-        from dtrain.jobs.store import JobStore
-        from dtrain.planning.planner import plan
+        from dtrain.jobs import api as jobs
 
-        launcher = self._launcher_obj()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # notes on ignored SMP keys: same as the SDK's
             spec = self.to_spec(inputs)
-        request = launcher.build_request(plan(spec), job_name=job_name)
-        self.latest_request = request
-        record = launcher.submit(request, store=JobStore())
+        job = jobs.identity(spec, self._launcher_obj())
+        if job_name:  # the SDK uses a given name as it is, without a timestamp
+            job = dataclasses.replace(job, name=job_name)
+        # build_request is pure: this is exactly what submit sends for the same identity
+        self.latest_request = jobs.build_request(spec, clients=self.clients, job=job).payload
+        record = jobs.submit(spec, wait=False, clients=self.clients, job=job)
         self.latest_training_job = record.name
+        self._job = _RecordedJob(record.id, self.clients)
         if wait:
             self.wait(logs=bool(logs) and logs != "None")
 
     def wait(self, *, logs: bool = False) -> None:
         """Block until the latest job ends; raise with its FailureReason unless it completed."""
-        show_logs = logs
-        launcher = self._launcher_obj()
-        name = self.latest_training_job
-        if show_logs:
-            for line in launcher.logs(name, follow=True):
+        job, name = self._latest("wait"), self.latest_training_job
+        if logs:
+            for line in job.logs():
                 print(line, flush=True)
-        status = launcher.wait(name, poll_s=15)
-        if status["state"] != "Completed":
-            raise DtrainError(f"training job {name} {status['state'].lower()}: "
-                              f"{status.get('failure_reason') or 'no FailureReason given'}")
-        print(f"{name}: {status['state']}", file=sys.stderr)
+        status, reason = job.wait(_transition_printer(name))
+        if status != COMPLETED:
+            raise DtrainError(f"training job {name} {status.lower()}: "
+                              f"{reason or 'no FailureReason given'}")
+        print(f"{name}: {status}", file=sys.stderr)
 
     @classmethod
-    def attach(cls, training_job_name: str, *, launcher: Any = None) -> PyTorch:
-        """An estimator for an existing job (as ``sagemaker.estimator.Estimator.attach``)."""
-        from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
+    def attach(cls, training_job_name: str, *,
+               clients: dict[str, Any] | None = None) -> PyTorch:
+        """An estimator for an existing job (as ``sagemaker.estimator.Estimator.attach``):
+        through the job store when dtrain submitted it from here, else by name."""
+        from dtrain.jobs import api as jobs
 
-        launcher = launcher or SageMakerLauncher()
-        job = launcher.describe(training_job_name)
+        recorded = [r for r in jobs.list_jobs(target="sagemaker", refresh_s=None)
+                    if r.name == training_job_name]  # newest first
+        launcher = jobs.launcher_for("sagemaker", clients)
+        region = recorded[0].target_data.get("region") if recorded else None
+        job = launcher.describe(training_job_name, region=region)
         hps = job.get("HyperParameters", {})
         program = hps.get("sagemaker_program", '"train.py"').strip('"')
         resources = job["ResourceConfig"]
@@ -170,19 +185,107 @@ class PyTorch:
                   instance_count=resources["InstanceCount"],
                   output_path=job.get("OutputDataConfig", {}).get("S3OutputPath"),
                   image_uri=job.get("AlgorithmSpecification", {}).get("TrainingImage"),
-                  launcher=launcher)
+                  clients=clients)
+        est._launcher = launcher
         est.latest_training_job = training_job_name
+        est._job = (_RecordedJob(recorded[0].id, clients) if recorded
+                    else _DescribedJob(launcher, training_job_name))
         return est
 
     @property
     def model_data(self) -> str | None:
         """S3 URI of ``model.tar.gz`` once the job has completed."""
-        if not self.latest_training_job:
-            raise DtrainError("model_data: this estimator has no job yet; call fit() or attach()")
-        return self._launcher_obj().job_status(self.latest_training_job)["model_data"]
+        return self._latest("model_data").state().get("model_data")
 
     def stop(self) -> None:
-        self._launcher_obj().stop(self.latest_training_job)
+        """Stop the latest job (SageMaker sends SIGTERM: it checkpoints, then ends Stopped)."""
+        self._latest("stop").stop()
+
+    def _latest(self, what: str) -> _RecordedJob | _DescribedJob:
+        if self._job is None:
+            raise DtrainError(f"{what}: this estimator has no job yet; call fit() or attach()")
+        return self._job
+
+
+class _RecordedJob:
+    """A job in dtrain's job store: every operation goes through the jobs layer."""
+
+    def __init__(self, job_id: str, clients: dict[str, Any] | None):
+        from dtrain.jobs import api
+
+        self.jobs, self.job_id, self.clients = api, job_id, clients
+
+    def wait(self, report: Callable[[dict[str, Any]], None]) -> tuple[str, str | None]:
+        record = self.jobs.wait_for(self.job_id, clients=self.clients,
+                                    on_status=lambda r: report(r.target_data))
+        return record.status, record.failure_reason
+
+    def logs(self) -> Iterator[str]:
+        return self.jobs.logs(self.job_id, follow=True, clients=self.clients)
+
+    def stop(self) -> None:
+        self.jobs.stop(self.job_id, clients=self.clients)
+
+    def state(self) -> dict[str, Any]:
+        return self.jobs.get(self.job_id, clients=self.clients).target_data
+
+
+class _DescribedJob:
+    """A training job dtrain has no record of (``attach`` to one started elsewhere): asked of
+    SageMaker by name each time, as the SageMaker SDK does; nothing goes into the job store.
+
+    It is also the ``Journal`` its ``stop`` records in: with nothing to write, the handle stays
+    as made, not known to have ended, so every ``status`` asks SageMaker."""
+
+    def __init__(self, launcher: Any, name: str):
+        from dtrain.launcher.base import Handle, JobIdentity
+        from dtrain.launcher.sagemaker.launcher import SageMakerState
+
+        self.launcher = launcher
+        self.handle = Handle(job=JobIdentity(id=name, name=name, submitted_at=0.0),
+                             status=PENDING, state=SageMakerState(training_job_name=name))
+
+    def record(self, update: Any) -> Any:
+        return self.handle
+
+    def current(self) -> Any:
+        return self.handle
+
+    def _ended(self) -> bool:
+        return self.launcher.status(self.handle).status in FINAL_STATUSES
+
+    def wait(self, report: Callable[[dict[str, Any]], None]) -> tuple[str, str | None]:
+        while True:
+            update = self.launcher.status(self.handle)
+            report(update.state)
+            if update.status in FINAL_STATUSES:
+                return update.status, update.failure_reason
+            time.sleep(self.launcher.poll_s)
+
+    def logs(self) -> Iterator[str]:
+        return self.launcher.logs(self.handle, follow=True, host=None, rank=None,
+                                  ended=self._ended)
+
+    def stop(self) -> None:
+        self.launcher.stop(self.handle, self)
+
+    def state(self) -> dict[str, Any]:
+        return self.launcher.status(self.handle).state
+
+
+def _transition_printer(name: str | None) -> Callable[[dict[str, Any]], None]:
+    """Prints each new SecondaryStatus transition of the job once, as the SageMaker SDK does."""
+    shown = 0
+
+    def report(state: dict[str, Any]) -> None:
+        nonlocal shown
+        transitions = state.get("transitions") or []
+        for item in transitions[shown:]:
+            message = f" - {item['message']}" if item.get("message") else ""
+            print(f"{name}: {item['status']}{message}", file=sys.stderr, flush=True)
+        shown = max(shown, len(transitions))
+
+    return report
 
 
 def _channels(inputs: Any) -> dict[str, str]:
@@ -221,11 +324,11 @@ def to_model_trainer(spec: Any) -> Any:
     except ImportError:
         raise DtrainError("to_model_trainer needs the SageMaker SDK v3; "
                           "pip install 'dtrain[sagemaker]'") from None
-    from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
+    from dtrain.jobs import api as jobs
     from dtrain.planning.planner import plan
 
     p = plan(spec)
-    request = SageMakerLauncher().build_request(p)
+    request = jobs.build_request(spec).payload
     resource, stop = request["ResourceConfig"], request["StoppingCondition"]
     vpc, output = request.get("VpcConfig", {}), request["OutputDataConfig"]
     trainer = ModelTrainer(**_kw(

@@ -1,20 +1,21 @@
 """Read a job's CloudWatch Logs: every host's stream, merged by time, optionally followed.
 
-SageMaker writes ``/aws/sagemaker/TrainingJobs`` streams named ``<job>/algo-<N>-<epoch>``; the
-node agent prefixes worker lines with ``[<host> <rank>]:`` (torch elastic's line prefix), which
-is what the ``rank`` filter matches.
+SageMaker writes ``/aws/sagemaker/TrainingJobs`` streams named ``<job>/algo-<N>-<epoch>``.
+Lines come out in ``dtrain.core.logformat``'s one format, as on every target: a worker's line
+keeps the ``[<host> <rank>]:`` prefix the node agent gave it (what the ``rank`` filter matches),
+any other line gets ``[<host>] ``.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dtrain.core import logformat
+
 SAGEMAKER_LOG_GROUP = "/aws/sagemaker/TrainingJobs"
-_RANK_PREFIX = re.compile(r"^\[\S+ (\d+)\]:")
 
 
 @dataclass
@@ -35,11 +36,8 @@ class LogFilter:
         rest = stream[len(job) + 1:]
         return rest == self.host or rest.startswith(self.host + "-")
 
-    def line_matches(self, message: str) -> bool:
-        if self.rank is None:
-            return True
-        match = _RANK_PREFIX.match(message)
-        return bool(match) and int(match.group(1)) == self.rank
+    def line_matches(self, line: str) -> bool:
+        return self.rank is None or logformat.rank_of(line) == self.rank
 
 
 @dataclass
@@ -86,23 +84,15 @@ class LogReader:
                 return events
 
     def poll(self) -> list[str]:
-        """New lines since the last call, in time order.
-
-        Worker lines keep their ``[<host> <rank>]:`` prefix as on every target; the agent's own
-        lines get ``[<host>]`` so every line says where it came from.
-        """
+        """New lines since the last call, in time order, each saying where it came from."""
         self._discover()
         events: list[tuple[int, str, str]] = []
         for cursor in self._cursors.values():
             events.extend(self._read_new(cursor))
         events.sort(key=lambda e: e[0])
-        lines = []
-        for _, stream, message in events:
-            message = message.rstrip("\n")
-            if self.filter.line_matches(message):
-                lines.append(message if _RANK_PREFIX.match(message)
-                             else f"[{_host_of(stream, self.job_name)}] {message}")
-        return lines
+        lines = (logformat.as_line(_host_of(stream, self.job_name), message.rstrip("\n"))
+                 for _, stream, message in events)
+        return [line for line in lines if self.filter.line_matches(line)]
 
     def lines(self, *, follow: bool = False,
               done: Callable[[], bool] = lambda: True) -> Iterator[str]:

@@ -1,11 +1,10 @@
 """The SageMaker backend: the same spec as a SageMaker training job, same container contract.
 
-``build_request(plan)`` is pure and returns the exact ``CreateTrainingJob`` request
-(``dtrain submit --dry-run`` prints it; see ``sagemaker_request`` for how it is shaped).
-``submit`` uploads the code, the runtime wheel and the entry script to
-``{output_path}/{job}/source/``, creates the job, and removes the uploads again when creation
-fails. ``status``/``wait``/``logs``/``stop`` work from the job name alone, so ``dtrain status``
-and ``Estimator.attach`` need nothing but the job store or the name.
+``build_request`` is pure and returns the exact ``CreateTrainingJob`` request and its uploads
+(``dtrain submit --dry-run`` prints it; ``request`` shapes it). ``submit`` checks the bucket,
+uploads the code, the runtime wheel and the entry script to ``{output_path}/{job}/source/``,
+creates the job, and removes the uploads again when anything fails. ``status``/``logs``/``stop``
+need only the training job's name and region, so a job submitted elsewhere works too.
 
 Clients are passed in (tests hand moto-backed ones); by default they are built with adaptive
 retries, and ``AWS_ENDPOINT_URL`` points them anywhere, as boto3 defines it.
@@ -13,47 +12,88 @@ retries, and ``AWS_ENDPOINT_URL`` points them anywhere, as boto3 defines it.
 
 from __future__ import annotations
 
-import tempfile
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from dtrain.core import aws_images, s3
+from dtrain.core.aws import region_of
 from dtrain.core.errors import DtrainError
+from dtrain.core.states import FINAL_STATUSES, RUNNING, STARTING, STOPPING
 from dtrain.launcher import aws, packaging
-from dtrain.launcher.base import Launcher
+from dtrain.launcher.base import (
+    Handle,
+    JobIdentity,
+    Journal,
+    Launcher,
+    Request,
+    TargetState,
+    Update,
+)
 from dtrain.launcher.sagemaker import request as req
 from dtrain.launcher.sagemaker.cloudwatch import SAGEMAKER_LOG_GROUP, LogFilter, LogReader
 
 if TYPE_CHECKING:
     from dtrain.planning.planner import Plan
+    from dtrain.spec.model import JobSpec
 
-TERMINAL_STATES = ("Completed", "Failed", "Stopped")
-DEFAULT_POLL_S = 15.0
+LOG_POLL_S = 5.0
+# SecondaryStatus values before the training container runs.
+_STARTING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack",
+             "Downloading", "DownloadingTrainingImage", "Restarting", "Interrupted"}
 
 
-def resolve_image_uri(plan: Plan, *, region: str | None) -> str:
-    """``sagemaker.image_uri``, else the SageMaker SDK's lookup of the AWS PyTorch image."""
-    sm = plan.spec.sagemaker
+@dataclass(frozen=True)
+class SageMakerState(TargetState):
+    training_job_name: str | None = None
+    region: str | None = None  # where the job is: status, logs and stop ask there
+    arn: str | None = None
+    console_url: str | None = None
+    uploads: list[str] = field(default_factory=list)  # the code channel's objects
+    transitions: list[dict[str, str]] = field(default_factory=list)  # SecondaryStatusTransitions
+    model_data: str | None = None  # S3 URI of model.tar.gz, once SageMaker reports it
+    billable_seconds: int | None = None
+
+
+def resolve_image_uri(spec: JobSpec, plan: Plan, *, region: str | None) -> str:
+    """``sagemaker.image_uri``, else the AWS PyTorch image of ``framework_version`` in
+    ``region``: the SageMaker SDK's lookup when it is installed and knows the version (the
+    authority), else dtrain's table (``dtrain.core.aws_images``)."""
+    sm = spec.sagemaker
     if sm.image_uri:
         return sm.image_uri
-    retrieve = _sdk_image_retrieve()
-    if retrieve is None:
-        raise DtrainError("sagemaker.image_uri: not set and the SageMaker SDK is not installed to "
-                          "look up the AWS PyTorch image; set sagemaker.image_uri or "
-                          "pip install 'dtrain[sagemaker]'")
     if not region:
-        raise DtrainError("sagemaker.region: needed to look up the training image; set it or "
-                          "AWS_REGION")
-    try:
-        return retrieve(framework="pytorch", region=region, version=sm.framework_version,
-                        py_version=sm.py_version, instance_type=req.instance_type_name(plan),
-                        image_scope="training")
-    except ValueError as exc:
-        raise DtrainError(f"sagemaker.framework_version/py_version: {sm.framework_version!r}/"
-                          f"{sm.py_version!r}: {exc}; or set sagemaker.image_uri") from None
+        raise DtrainError("sagemaker.region: needed to pick the training image's registry; "
+                          "set it, or AWS_REGION, or sagemaker.image_uri")
+    retrieve, sdk_says = _sdk_image_retrieve(), None
+    if retrieve is not None:
+        try:
+            return retrieve(framework="pytorch", region=region, version=sm.framework_version,
+                            py_version=sm.py_version, instance_type=req.instance_type_name(plan),
+                            image_scope="training")
+        except ValueError as exc:  # a version newer than the SDK: the table may have it
+            sdk_says = " ".join(str(exc).split())
+    image = aws_images.training_image_uri(sm.framework_version, region)
+    if image:
+        return image
+    raise _no_image(spec, region, sdk_says)
+
+
+def _no_image(spec: JobSpec, region: str, sdk_says: str | None) -> DtrainError:
+    sm, known = spec.sagemaker, ", ".join(aws_images.IMAGES)
+    if sdk_says:
+        return DtrainError(f"sagemaker.framework_version/py_version: {sm.framework_version!r}/"
+                           f"{sm.py_version!r}: {sdk_says}; use one of {known} or set "
+                           "sagemaker.image_uri")
+    if region not in aws_images.REGISTRIES:
+        return DtrainError(f"sagemaker.region: dtrain's image table has no registry for "
+                           f"{region!r}; set sagemaker.image_uri")
+    return DtrainError(f"sagemaker.framework_version: {sm.framework_version!r} has no AWS image "
+                       f"in dtrain's table ({known}); use one of those, set sagemaker.image_uri, "
+                       "or pip install 'dtrain[sagemaker]' for the SDK's lookup")
 
 
 def _sdk_image_retrieve() -> Callable[..., str] | None:
@@ -70,89 +110,79 @@ def entry_script_text() -> str:
     return resources.files("dtrain.launcher.sagemaker").joinpath(req.ENTRY_SCRIPT).read_text()
 
 
-def job_name_of(job: Any) -> str:
-    """The training job name of a store record (H3's JobRecord) or of a plain name."""
-    if isinstance(job, str):
-        return job
-    return (getattr(job, "target_data", None) or {}).get("training_job_name") or job.name
+def console_url(name: str, region: str) -> str:
+    return (f"https://{region}.console.aws.amazon.com/sagemaker/home?region={region}"
+            f"#/jobs/{name}")
 
 
 class SageMakerLauncher(Launcher, aws.AwsBackend):
-    """``build_request`` / ``submit`` / ``status`` / ``wait`` / ``logs`` / ``stop``.
-
-    Lifecycle methods take a store record (``dtrain.jobs.store.JobRecord``) or a training job name.
-    """
+    """``compute.target: sagemaker``; ``region`` and the boto3 clients are its configuration."""
 
     name = "sagemaker"
+    state_type = SageMakerState
     poll_s = 10.0
+    stamps_job_names = True
 
     def __init__(self, *, sagemaker_client: Any = None, s3_client: Any = None,
                  logs_client: Any = None, region: str | None = None,
-                 stream: IO[str] | None = None,
-                 clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
-                 sleep: Callable[[float], None] = time.sleep):
+                 stream: IO[str] | None = None, sleep: Callable[[float], None] = time.sleep):
+        # The environment's region (found as boto3 finds it) is configuration, read once here:
+        # build_request stays a function of its arguments and of this launcher's settings.
         aws.AwsBackend.__init__(
             self, {"sagemaker": sagemaker_client, "s3": s3_client, "logs": logs_client},
-            region=region, stream=stream, clock=clock, sleep=sleep)
+            region=region_of(region), stream=stream, sleep=sleep)
+        self._given = {service for service, client in self._clients.items() if client is not None}
+
+    def client_in(self, service: str, region: str | None) -> Any:
+        """The ``service`` client for a job in ``region``: the one passed in (the caller chose
+        it), else one made for that region, so a spec's region is where its job is created."""
+        if region is None or region == self.region or service in self._given:
+            return self.client(service)
+        key = f"{service}@{region}"
+        if key not in self._clients:
+            self._clients[key] = aws.make_client(service, region=region)
+        return self._clients[key]
 
     # ---------------------------------------------------------------- request
 
-    def build_request(self, plan: Plan, *, job_name: str | None = None) -> dict[str, Any]:
-        """The exact ``CreateTrainingJob`` request (no AWS call)."""
-        region = aws.resolve_region(plan.spec.sagemaker.region or self.region)
-        name = job_name or req.training_job_name(plan.spec.name, now=self.clock())
-        request = req.build_create_training_job(
-            plan, job_name=name, image_uri=resolve_image_uri(plan, region=region), region=region)
-        self._plans[name] = plan
-        return request
+    def build_request(self, spec: JobSpec, plan: Plan, job: JobIdentity) -> Request:
+        region = spec.sagemaker.region or self.region
+        payload = req.create_training_job(
+            spec, plan, job_name=job.name, image_uri=resolve_image_uri(spec, plan, region=region),
+            region=region)
+        return Request(target=self.name, job=job, payload=payload,
+                       uploads=req.uploads(spec, job.name))
 
     # ---------------------------------------------------------------- submit
 
-    def submit(self, request: dict[str, Any], *, store: Any = None,
-               plan: Plan | None = None) -> Any:
-        """Upload code and runtime, create the job; on failure remove what was uploaded.
-
-        The job is in ``store`` (default: the user's job store) from the first upload on, so a
-        failed submission is recorded with its reason too. Returns the store's JobRecord.
-        """
-        from dtrain.jobs.store import FAILED, STARTING, JobStore
-
-        name = request["TrainingJobName"]
-        plan = plan or self._plans.get(name)
-        if plan is None:
-            raise DtrainError(f"job {name!r}: no plan for this request; build it with "
-                              "build_request(plan) on this launcher or pass plan=")
-        self._check_bucket(plan.spec.output_path)
-        store = store if store is not None else JobStore()
-        record = store.create(name=name, target=self.name, spec=plan.spec.to_dict(),
-                              log_location=f"cloudwatch:{SAGEMAKER_LOG_GROUP}/{name}/",
-                              output_location=req.model_data_uri(plan, name),
-                              target_data={"training_job_name": name,
-                                           "region": self.region_of(plan),
-                                           "console_url": self.console_url(name, plan)})
+    def submit(self, request: Request, journal: Journal) -> Handle:
+        payload = request.payload
+        name = payload["TrainingJobName"]
+        output_path = payload["OutputDataConfig"]["S3OutputPath"]
+        sagemaker = self.client_in("sagemaker", req.region_of(payload))
+        region = sagemaker.meta.region_name
+        journal.record(Update(
+            log_location=f"cloudwatch:{SAGEMAKER_LOG_GROUP}/{name}/",
+            output_location=req.model_data_uri(output_path, name),
+            state=SageMakerState.changes(training_job_name=name, region=region,
+                                         console_url=console_url(name, region))))
+        s3_client = self.client_in("s3", region)
+        self._check_bucket(s3_client, output_path)
         uploaded: list[str] = []
+        action = f"uploading the code of {name}"
         try:
-            self._upload_code(plan, name, uploaded)
-            response = self.client("sagemaker").create_training_job(**request)
+            packaging.upload_all(s3_client, request.uploads, stream=self.out, uploaded=uploaded,
+                                 entry_script=entry_script_text())
+            action = f"CreateTrainingJob {name}"
+            response = sagemaker.create_training_job(**payload)
         except BaseException as exc:
-            packaging.delete_objects(self.client("s3"), uploaded)
-            error = exc if isinstance(exc, DtrainError) or not hasattr(exc, "response") \
-                else aws.as_dtrain_error(exc, f"CreateTrainingJob {name}")
-            store.update(record.id, status=FAILED, failure_reason=str(error) or repr(exc))
-            if error is exc:
+            packaging.delete_objects(s3_client, uploaded)  # nothing left behind, whatever went wrong
+            error = _user_error(exc, action)
+            if error is None:
                 raise
             raise error from None
-        return store.update(record.id, status=STARTING, target_data={
-            "arn": response["TrainingJobArn"], "uploads": uploaded})
-
-    def region_of(self, plan: Plan) -> str | None:
-        return aws.resolve_region(plan.spec.sagemaker.region or self.region) or getattr(
-            getattr(self.client("sagemaker"), "meta", None), "region_name", None)
-
-    def console_url(self, name: str, plan: Plan) -> str:
-        region = self.region_of(plan) or "us-east-1"
-        return (f"https://{region}.console.aws.amazon.com/sagemaker/home?region={region}"
-                f"#/jobs/{name}")
+        return journal.record(Update(status=STARTING, state=SageMakerState.changes(
+            arn=response["TrainingJobArn"], uploads=uploaded)))
 
     def default_output_path(self) -> str:
         """``s3://sagemaker-<region>-<account>/``, created if missing, as the SageMaker SDK does."""
@@ -163,26 +193,27 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
             account = sts.get_caller_identity()["Account"]
         except (ClientError, BotoCoreError) as exc:
             raise aws.as_dtrain_error(exc, "GetCallerIdentity") from None
-        region = aws.resolve_region(self.region) or sts.meta.region_name
+        region = self.region or sts.meta.region_name
         bucket = f"sagemaker-{region}-{account}"
-        s3 = self.client("s3")
+        s3_client = self.client("s3")
         try:
-            s3.head_bucket(Bucket=bucket)
+            s3_client.head_bucket(Bucket=bucket)
         except (ClientError, BotoCoreError) as exc:
             # only a missing bucket is created, as the SageMaker SDK does; a 403 is reported
             if aws.error_code(exc) not in ("404", "NoSuchBucket"):
                 raise aws.as_dtrain_error(exc, f"checking bucket {bucket}") from None
             config = {} if region == "us-east-1" else {
                 "CreateBucketConfiguration": {"LocationConstraint": region}}
-            s3.create_bucket(Bucket=bucket, **config)
+            s3_client.create_bucket(Bucket=bucket, **config)
         return f"s3://{bucket}"
 
-    def _check_bucket(self, output_path: str) -> None:
+    @staticmethod
+    def _check_bucket(client: Any, output_path: str) -> None:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        bucket, _ = packaging.parse_s3_uri(output_path)
+        bucket, _ = s3.split(output_path)
         try:
-            self.client("s3").head_bucket(Bucket=bucket)
+            client.head_bucket(Bucket=bucket)
         except (ClientError, BotoCoreError) as exc:
             code = aws.error_code(exc)
             if code in ("404", "NoSuchBucket"):
@@ -193,117 +224,94 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
                                   "credentials' S3 permissions") from None
             raise aws.as_dtrain_error(exc, f"checking bucket {bucket}") from None
 
-    def _upload_code(self, plan: Plan, name: str, uploaded: list[str]) -> None:
-        prefix = req.source_prefix(plan, name)
-        s3 = self.client("s3")
-        with tempfile.TemporaryDirectory(prefix="dtrain-sm-") as tmp:
-            files = [packaging.build_runtime_wheel(tmp)]
-            entry = Path(tmp) / req.ENTRY_SCRIPT
-            entry.write_text(entry_script_text())
-            files.append(entry)
-            source = plan.spec.source_dir
-            if source and not plan.spec.is_recipe and not source.startswith("s3://"):
-                packed = packaging.pack_source(source, tmp)
-                for secret in packed.skipped_secrets:
-                    self.out.write(f"warning: not packing {secret} (looks like a secret)\n")
-                files.insert(0, packed.path)
-            for path in files:
-                uri = packaging.join_s3(prefix, path.name)
-                uploaded.append(uri)  # before the call: a partial upload is removed too
-                packaging.upload_file(s3, path, uri, stream=self.out)
-
     # ---------------------------------------------------------------- lifecycle
 
-    def describe(self, job: Any) -> dict[str, Any]:
-        job_name = job_name_of(job)
+    def describe(self, training_job_name: str, *, region: str | None = None) -> dict[str, Any]:
+        """DescribeTrainingJob, AWS errors as one line."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
         try:
-            return self.client("sagemaker").describe_training_job(TrainingJobName=job_name)
-        except Exception as exc:
-            if not hasattr(exc, "response"):
-                raise
-            raise aws.as_dtrain_error(exc, f"DescribeTrainingJob {job_name}") from None
+            return self.client_in("sagemaker", region).describe_training_job(
+                TrainingJobName=training_job_name)
+        except (ClientError, BotoCoreError) as exc:
+            raise aws.as_dtrain_error(exc, f"DescribeTrainingJob {training_job_name}") from None
 
-    def job_status(self, job: Any) -> dict[str, Any]:
-        """State, secondary status, FailureReason (verbatim) and model artifacts of a job."""
-        job_name = job_name_of(job)
-        described = self.describe(job_name)
-        return {
-            "job_name": job_name,
-            "state": described["TrainingJobStatus"],
-            "secondary_status": described.get("SecondaryStatus"),
-            "failure_reason": described.get("FailureReason"),
-            "model_data": described.get("ModelArtifacts", {}).get("S3ModelArtifacts"),
-            "transitions": [
-                {"status": t.get("Status"), "message": t.get("StatusMessage", "")}
-                for t in described.get("SecondaryStatusTransitions", [])
-            ],
-            "billable_seconds": described.get("BillableTimeInSeconds"),
-            "started_at": _epoch(described.get("TrainingStartTime")),
-            "ended_at": _epoch(described.get("TrainingEndTime")),
-        }
+    def status(self, handle: Handle) -> Update:
+        """State, SecondaryStatus, FailureReason (verbatim) and model artifacts of the job."""
+        if handle.is_final:
+            return Update()
+        state: SageMakerState = handle.state
+        update = update_from(self.describe(_job_name(handle), region=state.region))
+        if handle.status == STOPPING and update.status in (STARTING, RUNNING):
+            # right after StopTrainingJob SageMaker may still say InProgress: stay Stopping
+            update = dataclasses.replace(update, status=None)
+        return update
 
-    def wait(self, job: Any, *, poll_s: float = DEFAULT_POLL_S,
-             on_transition: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """Poll until the job ends, reporting each new ``SecondaryStatus`` transition."""
-        job_name = job_name_of(job)
-        shown = 0
-        report = on_transition or (lambda line: self.out.write(line + "\n"))
-        while True:
-            status = self.job_status(job_name)
-            transitions = status["transitions"] or [
-                {"status": status["secondary_status"], "message": ""}]
-            for item in transitions[shown:]:
-                report(f"{job_name}: {item['status']}" +
-                       (f" - {item['message']}" if item["message"] else ""))
-            shown = max(shown, len(transitions))
-            if status["state"] in TERMINAL_STATES:
-                return status
-            self.sleep(poll_s)
+    def logs(self, handle: Handle, *, follow: bool, host: str | None, rank: int | None,
+             ended: Callable[[], bool]) -> Iterator[str]:
+        """Every host's CloudWatch stream merged by time, optionally one host's or rank's."""
+        state: SageMakerState = handle.state
+        reader = LogReader(self.client_in("logs", state.region), _job_name(handle),
+                           filter=LogFilter(host, rank), poll_s=LOG_POLL_S, sleep=self.sleep)
+        return reader.lines(follow=follow, done=ended)
 
-    def logs(self, job: Any, *, follow: bool = False, host: str | None = None,
-             rank: int | None = None, poll_s: float = 5.0) -> Iterator[str]:
-        """Lines from every host's CloudWatch stream (``host: message``), optionally followed."""
-        job_name = job_name_of(job)
-        reader = LogReader(self.client("logs"), job_name, filter=LogFilter(host, rank),
-                           poll_s=poll_s, sleep=self.sleep)
-        yield from reader.lines(
-            follow=follow, done=lambda: self.job_status(job_name)["state"] in TERMINAL_STATES)
-
-    def status(self, record: Any, *, store: Any = None) -> Any:
-        """Refresh a store record from DescribeTrainingJob (state, SecondaryStatus, reason)."""
-        from dtrain.jobs.store import JobStore
-
-        store = store if store is not None else JobStore()
-        record = store.find(record) if isinstance(record, str) else record
-        if record.is_final:
-            return record
-        current = self.job_status(record)
-        fields: dict[str, Any] = {}
-        if current["failure_reason"]:
-            fields["failure_reason"] = current["failure_reason"]  # verbatim, as SageMaker says
-        if current["started_at"] and not record.started_at:
-            fields["started_at"] = current["started_at"]
-        if current["state"] in TERMINAL_STATES:
-            fields["ended_at"] = current["ended_at"] or time.time()
-        return store.update(record.id, status=store_status(current), **fields, target_data={
-            "secondary_status": current["secondary_status"],
-            "transitions": current["transitions"], "model_data": current["model_data"]})
-
-    def stop(self, record: Any, *, store: Any = None) -> Any:
+    def stop(self, handle: Handle, journal: Journal) -> Handle:
         """StopTrainingJob; SageMaker sends SIGTERM, so the agent checkpoints and exits."""
-        from dtrain.jobs.store import STOPPING, JobStore
+        from botocore.exceptions import BotoCoreError, ClientError
 
-        job_name = job_name_of(record)
+        if handle.is_final:
+            return handle
+        state: SageMakerState = handle.state
+        name = _job_name(handle)
         try:
-            self.client("sagemaker").stop_training_job(TrainingJobName=job_name)
-        except Exception as exc:
-            if not hasattr(exc, "response"):
-                raise
-            raise aws.as_dtrain_error(exc, f"StopTrainingJob {job_name}") from None
-        if isinstance(record, str):
-            return None
-        store = store if store is not None else JobStore()
-        return record if record.is_final else store.update(record.id, status=STOPPING)
+            self.client_in("sagemaker", state.region).stop_training_job(TrainingJobName=name)
+        except (ClientError, BotoCoreError) as exc:
+            # SageMaker refuses to stop a job that has just ended or is stopping already
+            now = self.status(handle)
+            if now.status in FINAL_STATUSES or now.status == STOPPING:
+                return journal.record(now)
+            raise aws.as_dtrain_error(exc, f"StopTrainingJob {name}") from None
+        return journal.record(Update(status=STOPPING))
+
+
+def update_from(described: dict[str, Any]) -> Update:
+    """A DescribeTrainingJob answer as what the store records."""
+    return Update(
+        status=job_status(described.get("TrainingJobStatus"), described.get("SecondaryStatus")),
+        failure_reason=described.get("FailureReason"),  # verbatim, as SageMaker says it
+        started_at=_epoch(described.get("TrainingStartTime")),
+        ended_at=_epoch(described.get("TrainingEndTime")),
+        state=SageMakerState.changes(
+            secondary_status=described.get("SecondaryStatus"),
+            transitions=[{"status": t.get("Status"), "message": t.get("StatusMessage", "")}
+                         for t in described.get("SecondaryStatusTransitions", [])],
+            model_data=described.get("ModelArtifacts", {}).get("S3ModelArtifacts"),
+            billable_seconds=described.get("BillableTimeInSeconds")))
+
+
+def job_status(state: str | None, secondary: str | None) -> str | None:
+    """SageMaker's TrainingJobStatus/SecondaryStatus -> the job store's status names."""
+    if state == "InProgress":
+        return STARTING if secondary in _STARTING else RUNNING
+    return state  # Completed, Failed, Stopping, Stopped: same names
+
+
+def _job_name(handle: Handle) -> str:
+    state: SageMakerState = handle.state
+    return state.training_job_name or handle.job.name
+
+
+def _user_error(exc: BaseException, action: str) -> DtrainError | None:
+    """An AWS or file error as one line; None for anything else (a DtrainError is one line
+    already; Ctrl-C and bugs keep their own)."""
+    from boto3.exceptions import Boto3Error  # S3UploadFailedError wraps the ClientError
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    if isinstance(exc, (ClientError, BotoCoreError, Boto3Error)):
+        return aws.as_dtrain_error(exc, action)
+    if isinstance(exc, OSError):  # reading or packing the code, a full temp folder
+        return DtrainError(f"{action} failed: {exc}")
+    return None
 
 
 def _epoch(value: Any) -> float | None:
@@ -311,16 +319,3 @@ def _epoch(value: Any) -> float | None:
     if value is None:
         return None
     return value.timestamp() if hasattr(value, "timestamp") else float(value)
-
-
-# SecondaryStatus values before the training container runs.
-_STARTING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack",
-             "Downloading", "DownloadingTrainingImage", "Restarting", "Interrupted"}
-
-
-def store_status(current: dict[str, Any]) -> str:
-    """SageMaker's TrainingJobStatus/SecondaryStatus -> the job store's status names."""
-    state = current["state"]
-    if state == "InProgress":
-        return "Starting" if current["secondary_status"] in _STARTING else "Running"
-    return state  # Completed, Failed, Stopping, Stopped: same names

@@ -98,12 +98,19 @@ def test_status_and_logs_come_from_the_store_and_cloudwatch(submitted):
 
 
 def test_dry_run_prints_the_create_training_job_request(moto_aws):  # noqa: F811
-    done = dtrain("submit", "--dry-run", "--target", "sagemaker", str(EXAMPLE))
-    request = json.loads(done.stdout[done.stdout.index("{"):])
+    done = dtrain("submit", "--dry-run", "--target", "sagemaker", str(EXAMPLE), "-o", "json")
+    request = json.loads(done.stdout)["request"]
     golden = json.loads((ROOT / "tests" / "golden" / "sagemaker_p4d_request.json").read_text())
-    assert request["TrainingJobName"].startswith("pythia-1b-p4d-")
-    assert request["ResourceConfig"] == golden["ResourceConfig"]
-    assert request["AlgorithmSpecification"] == golden["AlgorithmSpecification"]
+    name = request["job"]["name"]
+    assert name.startswith("pythia-1b-p4d-") and request["target"] == "sagemaker"
+    payload = request["payload"]  # the CreateTrainingJob kwargs
+    assert payload["TrainingJobName"] == name
+    assert payload["ResourceConfig"] == golden["ResourceConfig"]
+    assert payload["AlgorithmSpecification"] == golden["AlgorithmSpecification"]
+    prefix = f"s3://dtrain-example-bucket/dtrain/{name}/source/"
+    assert [u["uri"] for u in request["uploads"]] == [
+        prefix + "sourcedir.tar.gz", prefix + "dtrain-0.1.0-py3-none-any.whl",
+        prefix + "sagemaker_entry.sh"]
     assert moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"] == []
 
 

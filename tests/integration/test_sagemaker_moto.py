@@ -1,7 +1,9 @@
-"""The SageMaker launcher against a moto server: uploads, the created job, logs, cleanup.
+"""The SageMaker target through the jobs layer against a moto server: uploads, the created job,
+status, logs, stop, cleanup after a failed submission, and the SDK shim's fit and attach.
 
-moto completes training jobs at once and has no StopTrainingJob; the stop test answers that one
-operation with a botocore ``before-call`` handler (a test double for exactly that call).
+moto completes training jobs at once and has no StopTrainingJob; tests that need a running job
+or a stop answer those operations with a botocore ``before-call`` handler (a test double for
+exactly that call).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 from botocore.exceptions import ClientError
 from dtrain.core.errors import DtrainError
+from dtrain.jobs import api as jobs
 from dtrain.jobs.store import JobStore
 from dtrain.launcher.sagemaker.launcher import SageMakerLauncher
-from dtrain.planning.planner import plan
 from dtrain.spec.model import JobSpec
 from dtrain.testing import moto_aws  # noqa: F401  (the fixture under test)
 
@@ -59,25 +61,30 @@ def objects(s3, prefix=""):
                   .get("Contents", []))
 
 
+def capture_create(client) -> list[dict]:
+    """What goes over the wire to CreateTrainingJob (moto rewrites some of it in its answers)."""
+    sent: list[dict] = []
+    client.meta.events.register("provide-client-params.sagemaker.CreateTrainingJob",
+                                lambda params, **_: sent.append(dict(params)))
+    return sent
+
+
 @pytest.fixture
 def submitted(moto_aws, tmp_path):  # noqa: F811
     moto_aws.s3.create_bucket(Bucket=BUCKET)
     spec = spec_for(make_source(tmp_path / "src"))
     err = io.StringIO()
-    sent = []
     client = moto_aws.client("sagemaker")
-    client.meta.events.register("provide-client-params.sagemaker.CreateTrainingJob",
-                                lambda params, **_: sent.append(dict(params)))
+    sent = capture_create(client)
     # s3 and logs clients come from AWS_ENDPOINT_URL, as in the CLI
-    launcher = SageMakerLauncher(sagemaker_client=client, stream=err)
-    request = launcher.build_request(plan(spec))
-    record = launcher.submit(request, store=JobStore())
-    facts = {"job_name": record.name, "record": record, "sent": sent[0]}
-    return moto_aws, launcher, facts, err.getvalue()
+    clients = {"sagemaker_client": client, "stream": err}
+    record = jobs.submit(spec, wait=False, clients=clients)
+    facts = {"job_name": record.name, "record": record, "sent": sent[0], "clients": clients}
+    return moto_aws, facts, err.getvalue()
 
 
 def test_submit_uploads_code_without_secrets_and_creates_the_job(submitted):
-    aws, _, facts, err = submitted
+    aws, facts, err = submitted
     name = facts["job_name"]
     keys = objects(aws.s3, "dtrain/")
     prefix = f"dtrain/{name}/source/"
@@ -90,17 +97,41 @@ def test_submit_uploads_code_without_secrets_and_creates_the_job(submitted):
         assert f"not packing {secret}" in err
 
 
-def test_submitted_job_is_in_the_store_with_arn_and_uploads(submitted):
-    _, _, facts, _ = submitted
-    record = JobStore().find(facts["job_name"])
+def test_submitted_job_is_in_the_store_with_its_sagemaker_state(submitted):
+    _, facts, _ = submitted
+    name = facts["job_name"]
+    record = JobStore().get(facts["record"].id)
     assert record.target == "sagemaker" and record.status == "Starting"
-    assert record.target_data["arn"].endswith(f"training-job/{facts['job_name']}")
-    assert len(record.target_data["uploads"]) == 3
-    assert record.output_location.endswith(f"/{facts['job_name']}/output/model.tar.gz")
+    assert name.startswith("pythia-1b-p4d-") and len(name) == len("pythia-1b-p4d-") + 15
+    state = record.target_data
+    assert (state["training_job_name"], state["region"]) == (name, "us-east-1")
+    assert state["arn"].endswith(f"training-job/{name}")
+    assert state["console_url"] == ("https://us-east-1.console.aws.amazon.com/sagemaker/home"
+                                    f"?region=us-east-1#/jobs/{name}")
+    prefix = f"s3://{BUCKET}/dtrain/{name}/source/"
+    assert state["uploads"] == [prefix + "sourcedir.tar.gz",
+                                prefix + "dtrain-0.1.0-py3-none-any.whl",
+                                prefix + "sagemaker_entry.sh"]
+    assert record.output_location == f"s3://{BUCKET}/dtrain/{name}/output/model.tar.gz"
+    assert record.log_location == f"cloudwatch:/aws/sagemaker/TrainingJobs/{name}/"
+
+
+def test_dry_run_request_is_exactly_what_submit_sends(moto_aws, tmp_path):  # noqa: F811
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+    spec = spec_for(make_source(tmp_path / "src"))
+    client = moto_aws.client("sagemaker")
+    sent = capture_create(client)
+    clients = {"sagemaker_client": client, "stream": io.StringIO()}
+    request = jobs.submit(spec, dry_run=True, clients=clients)
+    assert moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"] == []
+    record = jobs.submit(spec, wait=False, clients=clients, job=request.job)
+    assert sent == [request.payload]
+    assert (record.id, record.name) == (request.job.id, request.job.name)
+    assert record.target_data["uploads"] == [upload.uri for upload in request.uploads]
 
 
 def test_created_job_carries_instances_spot_checkpoint_hyperparameters_and_metrics(submitted):
-    aws, _, facts, _ = submitted
+    aws, facts, _ = submitted
     job = aws.sagemaker.describe_training_job(TrainingJobName=facts["job_name"])
     assert job["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
     assert job["ResourceConfig"]["InstanceCount"] == 2
@@ -113,25 +144,18 @@ def test_created_job_carries_instances_spot_checkpoint_hyperparameters_and_metri
     assert {"loss", "tokens_per_s", "mfu"} <= set(names)
 
 
-def test_status_wait_and_model_data_of_a_finished_job(submitted):
-    _, launcher, facts, _ = submitted
-    lines = []
-    status = launcher.wait(facts["job_name"], poll_s=0, on_transition=lines.append)
-    assert status["state"] == "Completed"
-    assert status["model_data"].startswith("s3://")
-    assert lines and lines[0].startswith(facts["job_name"] + ": Starting")
-
-
-def test_status_refreshes_the_store_record(submitted):
-    _, launcher, facts, _ = submitted
-    record = launcher.status(facts["record"], store=JobStore())
+def test_status_and_wait_record_the_end_model_data_and_transitions(submitted):
+    _, facts, _ = submitted
+    record = jobs.get(facts["record"].id, clients=facts["clients"])
     assert record.status == "Completed" and record.ended_at >= record.started_at > 0
     assert record.target_data["model_data"].endswith("/output/model.tar.gz")
     assert record.target_data["secondary_status"] == "Completed"
+    assert record.target_data["transitions"][0]["status"] == "Starting"
+    assert jobs.wait_for(record.id, clients=facts["clients"], poll_s=0) == JobStore().get(record.id)
 
 
 def test_logs_merge_every_host_and_filter_by_host_and_rank(submitted):
-    aws, launcher, facts, _ = submitted
+    aws, facts, _ = submitted
     name, group = facts["job_name"], "/aws/sagemaker/TrainingJobs"
     aws.logs.create_log_group(logGroupName=group)
     now = int(time.time() * 1000)  # CloudWatch rejects events older than 14 days
@@ -146,39 +170,96 @@ def test_logs_merge_every_host_and_filter_by_host_and_rank(submitted):
             pass
         aws.logs.put_log_events(logGroupName=group, logStreamName=stream,
                                 logEvents=[{"timestamp": now + ts, "message": msg}])
-    everything = list(launcher.logs(name))
+    job_id, clients = facts["record"].id, facts["clients"]
+    everything = list(jobs.logs(job_id, clients=clients))
     assert everything == ["[algo-1 0]: dtrain-metrics step=1 loss=2.0",
                           "[algo-2 8]: dtrain-metrics step=1 loss=2.1",
                           "[algo-1 1]: done",
                           "[algo-2] dtrain-agent INFO all workers exited"]
-    assert list(launcher.logs(name, host="algo-2")) == [everything[1], everything[3]]
-    assert list(launcher.logs(name, rank=1)) == [everything[2]]
-    assert list(launcher.logs(name, follow=True, poll_s=0)) == everything  # job already ended
+    assert list(jobs.logs(job_id, host="algo-2", clients=clients)) == [everything[1],
+                                                                       everything[3]]
+    assert list(jobs.logs(job_id, rank=1, clients=clients)) == [everything[2]]
+    # the job has already ended: following reads everything once more, then stops
+    assert list(jobs.logs(job_id, follow=True, clients=clients)) == everything
 
 
-def test_stop_calls_stop_training_job(submitted):
-    aws, _, facts, _ = submitted
-    client = aws.client("sagemaker")
-    calls = []
+def answer_describe(client, name, *answers):
+    """moto completes every job at once: answer DescribeTrainingJob with ``answers`` instead,
+    ``(status, secondary status, failure reason)``, one per call, the last one from then on."""
+    pending = list(answers)
 
-    def answer_stop(params, **_):  # moto has no StopTrainingJob: answer it here, in the test
+    def describe(**_):
+        status, secondary, reason = pending.pop(0) if len(pending) > 1 else pending[0]
+        return SimpleNamespace(status_code=200, headers={}), {
+            "TrainingJobName": name, "TrainingJobStatus": status, "SecondaryStatus": secondary,
+            **({"FailureReason": reason} if reason else {}),
+            "ResourceConfig": {"InstanceType": "ml.p4d.24xlarge", "InstanceCount": 2},
+            "SecondaryStatusTransitions": [{"Status": "Starting", "StatusMessage": "Starting"},
+                                           {"Status": secondary,
+                                            "StatusMessage": reason or secondary}]}
+
+    client.meta.events.register("before-call.sagemaker.DescribeTrainingJob", describe)
+
+
+def answer_stop(client, error: str | None = None) -> list[str]:
+    """moto has no StopTrainingJob: answer it here (or refuse it with ``error``)."""
+    calls: list[str] = []
+
+    def stop(params, **_):
         calls.append(json.loads(params["body"])["TrainingJobName"])
+        if error:
+            raise ClientError({"Error": {"Code": "ValidationException", "Message": error}},
+                              "StopTrainingJob")
         return SimpleNamespace(status_code=200, headers={}), {}
 
-    client.meta.events.register("before-call.sagemaker.StopTrainingJob", answer_stop)
-    store = JobStore()
-    running = store.update(facts["record"].id, status="Running")
-    record = SageMakerLauncher(sagemaker_client=client).stop(running, store=store)
+    client.meta.events.register("before-call.sagemaker.StopTrainingJob", stop)
+    return calls
+
+
+def test_stop_calls_stop_training_job_on_a_running_job(submitted):
+    aws, facts, _ = submitted
+    client = aws.client("sagemaker")
+    answer_describe(client, facts["job_name"], ("InProgress", "Training", None))
+    calls = answer_stop(client)
+    record = jobs.stop(facts["record"].id, clients=facts["clients"])
     assert calls == [facts["job_name"]]
     assert record.status == "Stopping"
+    # SageMaker still says InProgress for a moment: the job stays Stopping, not Running again
+    assert jobs.get(record.id, clients=facts["clients"]).status == "Stopping"
+
+
+@pytest.mark.parametrize("now", ["Completed", "Stopping"])
+def test_stop_refused_for_a_job_that_ended_or_is_stopping_meanwhile_records_that(submitted,
+                                                                                 now):
+    aws, facts, _ = submitted
+    client = aws.client("sagemaker")
+    answer_describe(client, facts["job_name"], ("InProgress", "Training", None),
+                    (now, now, None))
+    calls = answer_stop(client, error=f"The training job is in status {now}")
+    record = jobs.stop(facts["record"].id, clients=facts["clients"])
+    assert calls == [facts["job_name"]]
+    assert record.status == now and record.failure_reason is None
+
+
+def test_stop_refused_for_a_running_job_is_one_line(submitted):
+    aws, facts, _ = submitted
+    client = aws.client("sagemaker")
+    answer_describe(client, facts["job_name"], ("InProgress", "Training", None))
+    answer_stop(client, error="User is not authorized")
+    with pytest.raises(DtrainError, match=f"^StopTrainingJob {facts['job_name']} failed: "
+                                          "ValidationException: User is not authorized"):
+        jobs.stop(facts["record"].id, clients=facts["clients"])
+    assert JobStore().get(facts["record"].id).status == "Running"
 
 
 def test_missing_bucket_fails_before_any_upload(moto_aws, tmp_path):  # noqa: F811
-    launcher = SageMakerLauncher(stream=io.StringIO())
-    request = launcher.build_request(plan(spec_for(make_source(tmp_path / "src"))))
+    spec = spec_for(make_source(tmp_path / "src"))
     with pytest.raises(DtrainError, match=f"bucket '{BUCKET}' does not exist; create it"):
-        launcher.submit(request, store=JobStore())
+        jobs.submit(spec, wait=False, clients={"stream": io.StringIO()})
     assert moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"] == []
+    [failed] = JobStore().list()
+    assert failed.status == "Failed" and f"bucket '{BUCKET}' does not exist" in \
+        failed.failure_reason
 
 
 def test_forbidden_default_bucket_is_one_line_and_never_created(moto_aws):  # noqa: F811
@@ -206,15 +287,69 @@ def test_rejected_job_is_one_line_and_leaves_no_upload_behind(moto_aws, tmp_path
                           "CreateTrainingJob")
 
     client.meta.events.register("before-call.sagemaker.CreateTrainingJob", reject)
-    launcher = SageMakerLauncher(sagemaker_client=client, stream=io.StringIO())
-    request = launcher.build_request(plan(spec_for(make_source(tmp_path / "src"))))
+    spec = spec_for(make_source(tmp_path / "src"))
     with pytest.raises(DtrainError) as info:
-        launcher.submit(request, store=JobStore())
+        jobs.submit(spec, wait=False, clients={"sagemaker_client": client,
+                                               "stream": io.StringIO()})
     assert f"{code}: ml.p4d.24xlarge: limit is 0" in str(info.value)
     assert "\n" not in str(info.value)
     assert objects(moto_aws.s3) == []
-    failed = JobStore().find(request["TrainingJobName"])
+    [failed] = JobStore().list()
     assert failed.status == "Failed" and code in failed.failure_reason
+
+
+def test_a_failed_upload_is_one_line_and_removes_what_was_uploaded(moto_aws, tmp_path):  # noqa: F811
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+    s3 = moto_aws.client("s3")
+
+    def deny_entry_script(params, **_):
+        if params["Key"].endswith("/sagemaker_entry.sh"):
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "denied"}},
+                              "PutObject")
+
+    s3.meta.events.register("provide-client-params.s3.PutObject", deny_entry_script)
+    spec = spec_for(make_source(tmp_path / "src"))
+    with pytest.raises(DtrainError) as info:
+        jobs.submit(spec, wait=False, clients={"s3_client": s3, "stream": io.StringIO()})
+    message = str(info.value)
+    assert message.startswith("uploading the code of pythia-1b-p4d-") and "AccessDenied" in message
+    assert "\n" not in message
+    assert objects(moto_aws.s3) == []  # the archive and the wheel went up first: removed again
+    assert moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"] == []
+    [failed] = JobStore().list()
+    assert failed.status == "Failed" and failed.failure_reason == message
+
+
+def test_a_local_error_while_packing_is_one_line_and_removes_the_uploads(moto_aws, tmp_path,  # noqa: F811
+                                                                         monkeypatch):
+    from dtrain.launcher import packaging
+
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+
+    def disk_full(dest_dir):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(packaging, "build_runtime_wheel", disk_full)  # after the source archive
+    spec = spec_for(make_source(tmp_path / "src"))
+    with pytest.raises(DtrainError, match=r"^uploading the code of pythia-1b-p4d-\S+ failed: "
+                                          r"\[Errno 28\] No space left on device$"):
+        jobs.submit(spec, wait=False, clients={"stream": io.StringIO()})
+    assert objects(moto_aws.s3) == []
+
+
+def test_a_job_in_the_specs_region_is_created_and_asked_about_there(moto_aws, tmp_path):  # noqa: F811
+    import boto3
+
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+    spec = spec_for(make_source(tmp_path / "src"), "sagemaker.region=eu-west-1")
+    record = jobs.submit(spec, wait=False, clients={"stream": io.StringIO()})  # env: us-east-1
+    assert record.target_data["region"] == "eu-west-1"
+    assert "region=eu-west-1" in record.target_data["console_url"]
+    there = boto3.client("sagemaker", region_name="eu-west-1", endpoint_url=moto_aws.endpoint)
+    assert [j["TrainingJobName"] for j in there.list_training_jobs()["TrainingJobSummaries"]] \
+        == [record.name]
+    assert moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"] == []
+    assert jobs.get(record.id).status == "Completed"
 
 
 def test_runtime_wheel_installs_and_imports_the_contract(tmp_path):
@@ -236,39 +371,74 @@ def test_runtime_wheel_installs_and_imports_the_contract(tmp_path):
 REASON = "AlgorithmError: rank 3 on algo-1 exited with code 1: CUDA out of memory"
 
 
-def answer_describe_as_failed(client, name):
-    """moto completes every job at once: answer DescribeTrainingJob with a failed job instead."""
-    def failed(**_):
-        return SimpleNamespace(status_code=200, headers={}), {
-            "TrainingJobName": name, "TrainingJobStatus": "Failed", "SecondaryStatus": "Failed",
-            "FailureReason": REASON, "ResourceConfig": {"InstanceType": "ml.p4d.24xlarge",
-                                                        "InstanceCount": 2},
-            "SecondaryStatusTransitions": [{"Status": "Starting", "StatusMessage": "Starting"},
-                                           {"Status": "Failed", "StatusMessage": REASON}]}
-
-    client.meta.events.register("before-call.sagemaker.DescribeTrainingJob", failed)
-
-
 def test_failure_reason_reaches_the_store_verbatim(submitted):
-    aws, _, facts, _ = submitted
-    client = aws.client("sagemaker")
-    answer_describe_as_failed(client, facts["job_name"])
-    launcher = SageMakerLauncher(sagemaker_client=client)
-    record = launcher.status(facts["record"], store=JobStore())
+    aws, facts, _ = submitted
+    answer_describe(aws.client("sagemaker"), facts["job_name"], ("Failed", "Failed", REASON))
+    record = jobs.get(facts["record"].id, clients=facts["clients"])
     assert (record.status, record.failure_reason) == ("Failed", REASON)
-    shown = []
-    launcher.wait(facts["job_name"], poll_s=0, on_transition=shown.append)
-    assert shown[-1] == f"{facts['job_name']}: Failed - {REASON}"
 
 
-def test_estimator_fit_raises_the_failure_reason_and_attach_finds_the_job(submitted):
+def test_estimator_fit_goes_through_the_job_store_with_the_name_it_is_given(moto_aws, tmp_path,  # noqa: F811
+                                                                           capsys):
     from dtrain.sagemaker import PyTorch
 
-    aws, _, facts, _ = submitted
-    attached = PyTorch.attach(facts["job_name"], launcher=SageMakerLauncher(
-        sagemaker_client=aws.client("sagemaker"), stream=io.StringIO()))
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+    client = moto_aws.client("sagemaker")
+    sent = capture_create(client)
+    estimator = PyTorch("train.py", str(make_source(tmp_path / "src")),
+                        role=moto_aws.role_arn, instance_type="ml.p4d.24xlarge",
+                        instance_count=2, output_path=f"s3://{BUCKET}/dtrain", image_uri="img:1",
+                        clients={"sagemaker_client": client, "stream": io.StringIO()})
+    estimator.fit(f"s3://{BUCKET}/data/train", job_name="exactly-this-name")
+    assert estimator.latest_training_job == "exactly-this-name"
+    assert sent == [estimator.latest_request]
+    [record] = JobStore().list()
+    assert (record.name, record.status) == ("exactly-this-name", "Completed")
+    assert estimator.model_data == record.target_data["model_data"]
+    assert "exactly-this-name: Completed" in capsys.readouterr().err
+
+
+def test_estimator_attach_to_a_job_dtrain_submitted_uses_its_record(submitted):
+    from dtrain.sagemaker import PyTorch
+
+    _, facts, _ = submitted
+    attached = PyTorch.attach(facts["job_name"], clients=facts["clients"])
     assert attached.instance_count == 2 and attached.entry_point == "train.py"
+    assert JobStore().get(facts["record"].id).status == "Starting"
     assert attached.model_data.endswith(f"{facts['job_name']}/output/model.tar.gz")
-    answer_describe_as_failed(aws.client("sagemaker"), facts["job_name"])
-    with pytest.raises(DtrainError, match="CUDA out of memory"):
+    # model_data went through the jobs layer, which recorded what SageMaker said
+    assert JobStore().get(facts["record"].id).status == "Completed"
+    with pytest.raises(DtrainError, match="no job yet"):
+        _ = PyTorch("train.py", instance_type="ml.p4d.24xlarge").model_data
+
+
+def test_estimator_attach_to_a_failed_job_raises_its_failure_reason(submitted, capsys):
+    from dtrain.sagemaker import PyTorch
+
+    aws, facts, _ = submitted
+    answer_describe(aws.client("sagemaker"), facts["job_name"], ("Failed", "Failed", REASON))
+    attached = PyTorch.attach(facts["job_name"], clients=facts["clients"])
+    with pytest.raises(DtrainError, match=f"training job {facts['job_name']} failed: {REASON}"):
         attached.wait()
+    assert f"{facts['job_name']}: Failed - {REASON}" in capsys.readouterr().err
+    record = JobStore().get(facts["record"].id)
+    assert (record.status, record.failure_reason) == ("Failed", REASON)
+
+
+def test_estimator_attach_by_name_to_a_job_started_elsewhere(submitted, capsys):
+    from dtrain.sagemaker import PyTorch
+
+    aws, facts, _ = submitted
+    # a training job dtrain has no record of, as if the SageMaker SDK had started it
+    aws.sagemaker.create_training_job(**{**facts["sent"], "TrainingJobName": "from-elsewhere"})
+    attached = PyTorch.attach("from-elsewhere", clients=facts["clients"])
+    assert (attached.instance_type, attached.instance_count) == ("ml.p4d.24xlarge", 2)
+    assert attached.model_data.endswith("from-elsewhere/output/model.tar.gz")
+    attached.wait(logs=True)  # moto completed it
+    assert "from-elsewhere: Completed" in capsys.readouterr().err
+    client = aws.client("sagemaker")
+    answer_describe(client, "from-elsewhere", ("InProgress", "Training", None))
+    calls = answer_stop(client)
+    attached.stop()
+    assert calls == ["from-elsewhere"]
+    assert [r.name for r in JobStore().list()] == [facts["job_name"]]  # nothing recorded
