@@ -56,6 +56,9 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+DEFAULT_MAX_RUN_S = {"local": 2 * 3600, "sagemaker": 86400, "ec2": 86400}
+
+
 class Compute(_Model):
     """Where the job runs and on what."""
 
@@ -74,8 +77,10 @@ class Compute(_Model):
     )
     volume_size_gb: int = Field(100, ge=1, le=16384, description="Storage volume per instance, GB.")
     use_spot: bool = Field(False, description="Use spot capacity (managed spot on SageMaker).")
-    max_run: Seconds = Field(
-        86400, description="Longest the job may run, seconds or e.g. '2h'; then it is stopped."
+    max_run: Seconds | None = Field(
+        None, description="Longest the job may run, seconds or e.g. '2h'; then it is stopped "
+        "(a checkpoint first). Default: 24 h on the cloud targets, 2 h on `local`, so a hung "
+        "job cannot keep a laptop busy for a day.",
     )
     max_wait: Seconds | None = Field(
         None, description="Spot only: longest to wait for capacity plus run time; >= max_run."
@@ -86,6 +91,16 @@ class Compute(_Model):
     price_per_hour: float | None = Field(
         None, gt=0, description="Override the catalog's $/hour for one instance (prices change)."
     )
+    oversubscribe: bool = Field(
+        False, description="`local` only: run even when the worker processes far exceed this "
+        "machine's cores (more than 4 per core), where a job crawls.",
+    )
+
+    @model_validator(mode="after")
+    def _default_max_run(self) -> Compute:
+        if self.max_run is None:
+            self.max_run = DEFAULT_MAX_RUN_S[self.target]
+        return self
 
     @field_validator("instance_type")
     @classmethod

@@ -54,7 +54,7 @@ def test_spec_reference_lists_every_field_with_its_description(gen):
         assert field in rows, f"{field} is missing from the spec reference"
     description = JobSpec.model_fields["entry_point"].description.split("`")[0]
     assert description in rows["entry_point"] and "**required**" in rows["entry_point"]
-    assert "`86400`" in rows["compute.max_run"], "defaults are shown"
+    assert "`100`" in rows["compute.volume_size_gb"], "defaults are shown"
 
 
 def test_cli_reference_documents_every_command_and_option(gen):

@@ -155,11 +155,12 @@ def test_reserved_hyperparameter_names_are_rejected():
     assert "reserved" in problems({**RECIPE, "hyperparameters": {"dtrain_entry_point": "x"}})
 
 
-def test_local_job_with_too_many_processes_warns_but_validates():
+def test_local_job_with_too_many_processes_warns_but_validates(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        spec = JobSpec.from_dict({**RECIPE, "compute": {"processes_per_instance": 64}})
-    assert spec.world_size == 64
+        spec = JobSpec.from_dict({**RECIPE, "compute": {"processes_per_instance": 6}})
+    assert spec.world_size == 6
     assert any(issubclass(w.category, SpecWarning) and "will be slow" in str(w.message)
                for w in caught)
 
@@ -274,3 +275,22 @@ def test_every_schema_property_has_a_description():
                for prop, body in model.get("properties", {}).items()
                if not body.get("description")]
     assert missing == []
+
+
+def test_a_local_job_far_beyond_this_machine_is_refused_unless_forced(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    huge = {"entry_point": "recipe:causal_lm",
+            "compute": {"instance_count": 512, "processes_per_instance": 64}}
+    assert problems(huge) == (
+        "compute: 32768 local worker processes on 2 CPU cores is more than 4 per core; use at "
+        "most 8 (compute.instance_count × processes_per_instance), or set "
+        "compute.oversubscribe: true to run it anyway")
+    with pytest.warns(SpecWarning, match="will be slow"):
+        JobSpec.from_dict({**huge, "compute": {**huge["compute"], "oversubscribe": True}})
+
+
+def test_max_run_defaults_protect_a_laptop_and_leave_cloud_jobs_a_day():
+    assert JobSpec.from_dict({"entry_point": "recipe:causal_lm"}).compute.max_run == 2 * 3600
+    assert JobSpec.from_dict(sagemaker()).compute.max_run == 86400
+    assert JobSpec.from_dict({"entry_point": "recipe:causal_lm",
+                              "compute": {"max_run": "5h"}}).compute.max_run == 5 * 3600

@@ -7,15 +7,26 @@ import os
 from dtrain.core import s3
 from dtrain.spec.rules.common import Findings, exists, resolve
 
-# A local job with more worker processes than this many per core is likely to crawl.
-LOCAL_PROCESSES_PER_CORE = 2
+# A local job with more worker processes than this many per core is likely to crawl; with more
+# than MAX_PROCESSES_PER_CORE it is refused unless the spec says compute.oversubscribe.
+SLOW_PROCESSES_PER_CORE = 2
+MAX_PROCESSES_PER_CORE = 4
 
 
 def fits_this_machine(spec, ctx: Findings) -> None:
     compute = spec.compute
     total = compute.world_size
     cores = os.cpu_count() or 1
-    if compute.instance.name == "local" and total > LOCAL_PROCESSES_PER_CORE * cores:
+    if compute.instance.name != "local" or total <= SLOW_PROCESSES_PER_CORE * cores:
+        return
+    if total > MAX_PROCESSES_PER_CORE * cores and not compute.oversubscribe:
+        ctx.problems.append(
+            f"compute: {total} local worker processes on {cores} CPU cores is more than "
+            f"{MAX_PROCESSES_PER_CORE} per core; use at most {MAX_PROCESSES_PER_CORE * cores} "
+            "(compute.instance_count × processes_per_instance), or set compute.oversubscribe: "
+            "true to run it anyway"
+        )
+    else:
         ctx.notes.append(
             f"compute: {total} local worker processes on {cores} CPU cores will be slow; "
             "lower compute.instance_count or compute.processes_per_instance"
