@@ -8,7 +8,7 @@
 #   --repository NAME      ECR repository, created when missing (default: dtrain-runtime)
 #   --tag TAG              image tag (default: the version in pyproject.toml)
 #   --base-image URI       base image (default: the Dockerfile's AWS PyTorch training image)
-#   --base-tag TAG         tag of the default base image, e.g. 2.6.0-gpu-py312-cu126-ubuntu22.04-sagemaker
+#   --base-tag TAG         tag of the default base image, e.g. 2.10.0-gpu-py313-cu130-ubuntu22.04-sagemaker
 #   --dlc-account ID       account of the AWS Deep Learning Containers registry (default: 763104351884)
 #   --no-flash-attn        do not install flash-attn
 #   --platform PLATFORM    docker build platform (default: linux/amd64)

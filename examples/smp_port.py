@@ -38,8 +38,8 @@ smp_estimator = PyTorch(
     role=sagemaker.get_execution_role(),
     instance_count=2,
     instance_type="ml.p4d.24xlarge",
-    framework_version="2.0.1",
-    py_version="py310",
+    framework_version="2.10",
+    py_version="py313",
     distribution={
         "smdistributed": {"modelparallel": smp_options},
         "mpi": mpi_options,

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from dtrain.core import contract, instances, names, s3
+from dtrain.core import aws_images, contract, instances, names, s3, torch_support
 from dtrain.core.errors import SpecError, SpecWarning
 from dtrain.spec.smp import translate_distribution
 from pydantic import (
@@ -190,12 +190,16 @@ class SageMakerOptions(_Model):
     region: str | None = Field(None, description="AWS region; default: the boto3 default.")
     image_uri: str | None = Field(
         None, description="Training image; default: the AWS PyTorch training image for "
-        "framework_version (needs the `sagemaker` extra).",
+        "framework_version and the job's region.",
     )
     framework_version: str = Field(
-        "2.6", description="PyTorch version of the AWS image (dtrain's runtime needs >= 2.6)."
+        aws_images.DEFAULT_FRAMEWORK_VERSION,
+        description="PyTorch version of the AWS image; dtrain's runtime supports torch "
+        f"{torch_support.supported_range()}.",
     )
-    py_version: str = Field("py312", description="Python version tag of the AWS image.")
+    py_version: str | None = Field(
+        None, description="Python version tag of the AWS image; default: the image's own."
+    )
     input_mode: Literal["File", "FastFile", "Pipe"] = Field(
         "File", description="How SageMaker delivers input channels."
     )

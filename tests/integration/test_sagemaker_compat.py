@@ -51,7 +51,7 @@ def test_smp_example_runs_against_moto_with_sharding_degree_and_backend(moto_aws
     assert job["ResourceConfig"] == {**job["ResourceConfig"], "InstanceCount": 2,
                                      "InstanceType": "ml.p4d.24xlarge"}
     image = job["AlgorithmSpecification"]["TrainingImage"]
-    assert image.endswith("pytorch-training:2.0.1-gpu-py310")
+    assert image.endswith("pytorch-training:2.10-gpu-py313")  # the (fake) SDK's lookup
     bucket = "sagemaker-us-east-1-123456789012"  # the SDK's default bucket, created on demand
     assert job["OutputDataConfig"]["S3OutputPath"] == f"s3://{bucket}"
     assert done.stdout.strip().endswith("model.tar.gz")

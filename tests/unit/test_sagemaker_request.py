@@ -107,6 +107,7 @@ FIELD_IN_REQUEST = {
 NOT_IN_REQUEST = {
     "compute.target": "selects this launcher",
     "compute.price_per_hour": "cost estimates only (dtrain plan)",
+    "compute.oversubscribe": "local target only",
     "sagemaker.framework_version": "image lookup only, when image_uri is unset",
     "sagemaker.py_version": "image lookup only, when image_uri is unset",
     "ec2": "EC2 target only",
@@ -241,8 +242,10 @@ def test_a_version_neither_the_table_nor_an_sdk_knows_is_one_line_error(monkeypa
     from dtrain.launcher.sagemaker import launcher as sagemaker
 
     monkeypatch.setattr(sagemaker, "_sdk_image_retrieve", lambda: None)
-    with pytest.raises(DtrainError, match=r"^sagemaker.framework_version: '2.7' has no AWS image "
+    with pytest.raises(DtrainError, match=r"^sagemaker.framework_version: '2.12' has no AWS image "
                                           r".*pip install 'dtrain\[sagemaker\]'"):
+        build(example_spec("sagemaker.image_uri=null", "sagemaker.framework_version='2.12'"))
+    with pytest.raises(DtrainError, match=r"^sagemaker.framework_version: torch 2.7 is older"):
         build(example_spec("sagemaker.image_uri=null", "sagemaker.framework_version='2.7'"))
 
     def sdk_lookup(**kwargs):
@@ -251,19 +254,17 @@ def test_a_version_neither_the_table_nor_an_sdk_knows_is_one_line_error(monkeypa
         return f"sdk-image:{kwargs['version']}-{kwargs['py_version']}-{kwargs['region']}"
 
     monkeypatch.setattr(sagemaker, "_sdk_image_retrieve", lambda: sdk_lookup)
-    image = build(example_spec("sagemaker.image_uri=null", "sagemaker.framework_version='2.6'"))[
-        "AlgorithmSpecification"]["TrainingImage"]
-    assert image == "sdk-image:2.6-py312-us-east-1"  # the SDK is the authority for what it knows
+    image = build(example_spec("sagemaker.image_uri=null", "sagemaker.framework_version='2.9'",
+                               "sagemaker.py_version=py312"))["AlgorithmSpecification"][
+        "TrainingImage"]
+    assert image == "sdk-image:2.9-py312-us-east-1"  # the SDK is the authority for what it knows
     newer = build(example_spec("sagemaker.image_uri=null", "sagemaker.framework_version='2.10'"))
     assert newer["AlgorithmSpecification"]["TrainingImage"].endswith(
         "us-east-1.amazonaws.com/pytorch-training:2.10.0-gpu-py313-cu130-ubuntu22.04-sagemaker")
 
 
-# Rules on user input that build_request used to enforce itself. Validation owns every such
-# rule (a spec it accepts always builds), so they are moving into dtrain.spec.rules; strict
-# xfail until they are there, so these tests fail the day they pass: then drop the mark.
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="rule not yet in dtrain.spec.rules (moved out of build_request)")
+# Rules on user input that SageMaker would refuse only after the upload: validation owns them,
+# so a spec it accepts always builds.
 @pytest.mark.parametrize("override, message", [
     ("sagemaker.keep_alive_period=300",
      "sagemaker.keep_alive_period: warm pools do not work with managed spot training"),
@@ -325,7 +326,11 @@ def test_region_comes_from_the_spec_else_from_the_launchers_configuration(monkey
         "us-west-2"
     monkeypatch.delenv("AWS_REGION")
     monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
-    assert "sagemaker_region" not in hps(build_request(no_region, region=None).payload)
+    with_image = example_spec("sagemaker.region=null", "sagemaker.image_uri="
+                              "123.dkr.ecr.eu-west-1.amazonaws.com/my-torch:latest")
+    assert "sagemaker_region" not in hps(build_request(with_image, region=None).payload)
+    with pytest.raises(DtrainError, match=r"^sagemaker.region: needed to pick the training"):
+        example_spec("sagemaker.region=null")  # no image to pick without a region
 
 
 def test_tags_name_the_job_with_the_keys_every_cloud_target_uses():

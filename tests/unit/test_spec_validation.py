@@ -294,3 +294,25 @@ def test_max_run_defaults_protect_a_laptop_and_leave_cloud_jobs_a_day():
     assert JobSpec.from_dict(sagemaker()).compute.max_run == 86400
     assert JobSpec.from_dict({"entry_point": "recipe:causal_lm",
                               "compute": {"max_run": "5h"}}).compute.max_run == 5 * 3600
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"sagemaker": {"framework_version": "2.5"}},
+     "sagemaker.framework_version: torch 2.5 is older than dtrain's runtime supports (2.9 to "
+     "2.13"),
+    ({"sagemaker": {"image_uri": "763104351884.dkr.ecr.us-east-1.amazonaws.com/"
+                                 "pytorch-training:2.5.1-gpu-py311-cu124-ubuntu22.04-sagemaker"}},
+     "sagemaker.image_uri: torch 2.5.1 is older than dtrain's runtime supports"),
+])
+def test_an_image_whose_torch_the_runtime_cannot_run_is_refused_before_any_instance_starts(
+        override, message):
+    data = sagemaker()
+    data["sagemaker"] = {**data["sagemaker"], **override["sagemaker"]}
+    assert message in problems(data)
+
+
+def test_a_custom_image_and_the_default_framework_version_pass():
+    data = sagemaker()
+    assert JobSpec.from_dict(data).sagemaker.framework_version == "2.10"
+    data["sagemaker"] = {**data["sagemaker"], "image_uri": "1.dkr.ecr.us-east-1.amazonaws.com/mine:7"}
+    assert JobSpec.from_dict(data).sagemaker.image_uri.endswith("mine:7")

@@ -154,5 +154,14 @@ def exists(path: Path) -> bool:
         return False
 
 
+def channel_names(spec, ctx: Findings) -> None:
+    """``dtrain_*`` channels carry dtrain's own code; the contract hides them from scripts."""
+    for channel in spec.inputs:
+        if channel.startswith(contract.RESERVED_PREFIX):
+            ctx.problems.append(
+                f"inputs.{channel}: this channel name is reserved by dtrain (channels named "
+                f"{contract.RESERVED_PREFIX}* carry its code); rename the channel")
+
+
 COMMON_RULES = (instance_fits_target, backend_fits_hardware, degrees_make_a_plan, spot_settings,
-                entry_point)
+                entry_point, channel_names)

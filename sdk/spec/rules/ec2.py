@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dtrain.spec.rules.common import Findings, cloud_paths
+from dtrain.spec.rules.sagemaker import image_torch
 
 
 def ec2_settings(spec, ctx: Findings) -> None:
@@ -15,4 +16,9 @@ def ec2_settings(spec, ctx: Findings) -> None:
         ctx.notes.append(f"ec2.ssh_cidr: {ec2.ssh_cidr} opens SSH to the whole internet")
 
 
-RULES = (ec2_settings, cloud_paths)
+def image_runs_the_runtime(spec, ctx: Findings) -> None:
+    if spec.ec2.image_uri:
+        image_torch(ctx, "ec2.image_uri", spec.ec2.image_uri)
+
+
+RULES = (ec2_settings, image_runs_the_runtime, cloud_paths)

@@ -1,9 +1,15 @@
-"""Rules of ``compute.target: sagemaker``."""
+"""Rules of ``compute.target: sagemaker``: everything SageMaker would refuse after the upload,
+and everything the request needs (an image, a region) that can be known before it."""
 
 from __future__ import annotations
 
-from dtrain.core import instances
+import importlib.util
+import json
+
+from dtrain.core import aws, aws_images, instances, torch_support
 from dtrain.spec.rules.common import Findings, cloud_paths
+
+MAX_HYPERPARAMETER_CHARS = 2500  # SageMaker's limit on one hyperparameter value
 
 
 def offered_on_sagemaker(spec, ctx: Findings) -> None:
@@ -26,6 +32,59 @@ def sagemaker_settings(spec, ctx: Findings) -> None:
         ctx.problems.append(
             "sagemaker.subnets / sagemaker.security_group_ids: give both for a VPC, or neither"
         )
+    if sm.keep_alive_period and spec.compute.use_spot:
+        ctx.problems.append(
+            "sagemaker.keep_alive_period: warm pools do not work with managed spot training; "
+            "remove it or set compute.use_spot: false"
+        )
 
 
-RULES = (offered_on_sagemaker, sagemaker_settings, cloud_paths)
+def hyperparameters_fit(spec, ctx: Findings) -> None:
+    for key, value in spec.hyperparameters.items():
+        size = len(json.dumps(value))
+        if size > MAX_HYPERPARAMETER_CHARS:
+            ctx.problems.append(
+                f"hyperparameters.{key}: {size} characters when JSON-encoded, above SageMaker's "
+                f"{MAX_HYPERPARAMETER_CHARS}; pass large settings through a file in source_dir"
+            )
+
+
+def image_runs_the_runtime(spec, ctx: Findings) -> None:
+    """The image's torch is in the runtime's range, and without ``image_uri`` there is an AWS
+    image to pick for ``framework_version`` in the job's region (decided here, not at submit)."""
+    sm = spec.sagemaker
+    if sm.image_uri:
+        image_torch(ctx, "sagemaker.image_uri", sm.image_uri)
+        return
+    problem = torch_support.problem(sm.framework_version)
+    if problem:
+        ctx.problems.append(f"sagemaker.framework_version: {problem}; use one of "
+                            f"{', '.join(aws_images.IMAGES)} or set sagemaker.image_uri")
+        return
+    region = aws.region_of(sm.region)
+    if region is None:
+        ctx.problems.append("sagemaker.region: needed to pick the training image's registry; "
+                            "set it, or AWS_REGION, or sagemaker.image_uri")
+    elif importlib.util.find_spec("sagemaker") is not None:
+        return  # the SageMaker SDK's lookup is the authority for what it knows
+    elif aws_images.short_version(sm.framework_version) not in aws_images.IMAGES:
+        ctx.problems.append(
+            f"sagemaker.framework_version: {sm.framework_version!r} has no AWS image in dtrain's "
+            f"table (as of {aws_images.AS_OF}: {', '.join(aws_images.IMAGES)}); use one of those, "
+            "set sagemaker.image_uri, or pip install 'dtrain[sagemaker]' for the SDK's lookup")
+    elif region not in aws_images.REGISTRIES:
+        ctx.problems.append(f"sagemaker.region: dtrain's image table has no registry for "
+                            f"{region!r}; set sagemaker.image_uri")
+
+
+def image_torch(ctx: Findings, field: str, image_uri: str) -> None:
+    """An image whose tag names its torch (``pytorch-training:2.5.1-...``) must be in range."""
+    version = aws_images.torch_version_of(image_uri)
+    problem = version and torch_support.problem(version)
+    if problem:
+        ctx.problems.append(f"{field}: {problem}; use an image with torch "
+                            f"{torch_support.supported_range()}")
+
+
+RULES = (offered_on_sagemaker, sagemaker_settings, hyperparameters_fit, image_runs_the_runtime,
+         cloud_paths)
