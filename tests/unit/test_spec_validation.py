@@ -298,8 +298,8 @@ def test_max_run_defaults_protect_a_laptop_and_leave_cloud_jobs_a_day():
 
 @pytest.mark.parametrize("override, message", [
     ({"sagemaker": {"framework_version": "2.5"}},
-     "sagemaker.framework_version: torch 2.5 is older than dtrain's runtime supports (2.9 to "
-     "2.13"),
+     ("sagemaker.framework_version: torch 2.5 is older than dtrain's runtime supports (2.9 to "
+     "2.13")),
     ({"sagemaker": {"image_uri": "763104351884.dkr.ecr.us-east-1.amazonaws.com/"
                                  "pytorch-training:2.5.1-gpu-py311-cu124-ubuntu22.04-sagemaker"}},
      "sagemaker.image_uri: torch 2.5.1 is older than dtrain's runtime supports"),
