@@ -219,8 +219,16 @@ def _record_line(arc: str, data: bytes) -> str:
     return f"{arc},sha256={digest},{len(data)}"
 
 
+def wheel_name() -> str:
+    """The runtime wheel's file name: what ``build_runtime_wheel`` writes, and what a target's
+    node or container installs (they find it in S3 under this name)."""
+    from dtrain import __version__
+
+    return f"dtrain-{__version__}-py3-none-any.whl"
+
+
 def build_runtime_wheel(dest_dir: str | os.PathLike) -> Path:
-    """Write ``dtrain-<version>-py3-none-any.whl`` into ``dest_dir`` and return its path.
+    """Write ``wheel_name()`` into ``dest_dir`` and return its path.
 
     No dependencies are declared: containers install it with ``--no-deps`` and the runtime needs
     only the image's torch and the standard library.
@@ -228,7 +236,7 @@ def build_runtime_wheel(dest_dir: str | os.PathLike) -> Path:
     from dtrain import __version__
 
     dist_info = f"dtrain-{__version__}.dist-info"
-    path = Path(dest_dir) / f"dtrain-{__version__}-py3-none-any.whl"
+    path = Path(dest_dir) / wheel_name()
     path.parent.mkdir(parents=True, exist_ok=True)
     metadata = (f"Metadata-Version: 2.1\nName: dtrain\nVersion: {__version__}\n"
                 "Summary: dtrain runtime (built by the dtrain launcher)\n"

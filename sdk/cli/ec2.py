@@ -6,6 +6,8 @@ command runs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 
@@ -41,12 +43,10 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
     checkpoints when their own job ends. --all removes every tagged resource. Untagged
     resources, such as a placement group named in `ec2.placement_group`, are never touched.
     """
-    from dtrain.launcher.ec2 import resources as ec2_resources
-    from dtrain.launcher.ec2.launcher import Ec2Launcher
+    from dtrain.launcher.ec2.state import utc_time
 
-    launcher = Ec2Launcher(region=region)
-    leftovers = launcher.leftovers(include_running=include_running,
-                                   min_age_s=min_age_min * 60, dry_run=dry_run)
+    leftovers, launcher = _leftovers(region, dry_run=dry_run, include_running=include_running,
+                                     min_age_s=min_age_min * 60)
     found = leftovers.remove
     items = ([("instance", i) for i in found.instances]
              + [("security group", g) for g in found.security_groups]
@@ -58,7 +58,7 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
     if leftovers.finishing:
         click.echo(f"keeping {len(leftovers.finishing)} resource(s) of failed jobs whose other "
                    "nodes may still upload their checkpoints, until "
-                   f"{ec2_resources.utc_time(leftovers.finishing_until)} "
+                   f"{utc_time(leftovers.finishing_until)} "
                    f"({', '.join(leftovers.finishing)}); --all includes them")
     if not items:
         click.echo("no dtrain leftovers found")
@@ -69,8 +69,7 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
         return
     if not yes and not click.confirm(f"remove these {len(items)} resources?", default=False):
         raise click.exceptions.Abort()
-    left = ec2_resources.rollback(launcher.client("ec2"), None, found, sleep=_sleep,
-                                  keep_uploads=True)
+    left = launcher.remove(found)
     if left:
         from dtrain.core.errors import DtrainError
 
@@ -79,10 +78,24 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
     click.echo(f"removed {len(items)} resources")
 
 
-def _sleep(seconds: float) -> None:
-    import time
+def _leftovers(region: str | None, *, dry_run: bool, include_running: bool,
+               min_age_s: float) -> tuple[Any, Any]:
+    """The EC2 backend's leftovers, told of this machine's EC2 jobs; unless ``dry_run``, each
+    job not ended yet is refreshed first as `dtrain status` does (and that is recorded)."""
+    from dtrain.jobs import api
+    from dtrain.jobs.store import JobStore
 
-    time.sleep(seconds)
+    store = JobStore()
+    launcher = api.launcher_for("ec2", {"region": region})
+    handles = [api.handle_of(record, launcher) for record in store.list(target="ec2")]
+
+    def refresh(handle: Any) -> Any:
+        record = api.refresh(store.get(handle.job.id), launcher, store)
+        return api.handle_of(record, launcher)
+
+    found = launcher.leftovers(handles, refresh=None if dry_run else refresh,
+                               include_running=include_running, min_age_s=min_age_s)
+    return found, launcher
 
 
 COMMANDS = [ec2]

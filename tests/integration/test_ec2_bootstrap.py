@@ -21,7 +21,7 @@ import boto3
 import pytest
 from dtrain.core import contract
 from dtrain.core import s3 as s3_uri
-from dtrain.launcher.ec2 import requests as req
+from dtrain.launcher.ec2 import placeholders, userdata
 from dtrain.launcher.ec2.node import bootstrap as boot
 from dtrain.planning.planner import plan
 from dtrain.spec.model import JobSpec
@@ -80,9 +80,9 @@ def s3(s3_server, tmp_path, monkeypatch):
 def job_config(token: str) -> dict:
     spec = JobSpec.from_file(ROOT / "examples" / "ec2-p4d.yaml",
                              overrides=["ec2.subnet_id=subnet-1"])
-    text = req.render_user_data(plan(spec), JOB, 0)
+    text = userdata.render(spec, plan(spec), job_name=JOB, rank=0)
     body = text.split("<<'DTRAIN_JOB_JSON'\n", 1)[1].split("\nDTRAIN_JOB_JSON\n", 1)[0]
-    return json.loads(req.fill_placeholders(body, {"launch_token": token}))
+    return json.loads(placeholders.fill(body, {"launch_token": token}))
 
 
 def upload_artifacts(s3, config: dict) -> None:
@@ -148,7 +148,7 @@ def test_a_failing_agent_is_reported_failed_in_the_status_objects(s3, tmp_path, 
     config = job_config("tok2")
     upload_artifacts(s3, config)
     assert run_two_nodes(s3, tmp_path, config, monkeypatch, exit_code=3) == [3, 3]
-    from dtrain.launcher.ec2.resources import job_state, read_status_objects
+    from dtrain.launcher.ec2.nodes import job_state, read_status_objects
 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["failed", "failed"]
@@ -164,7 +164,7 @@ def test_an_interrupted_agent_stops_the_job_with_its_line_instead_of_failing_it(
                        "checkpoint because a host received SIGTERM; resubmit to resume from {s3}")
     # 143: the node was SIGTERMed, or its workers stopped after a checkpoint because one was.
     assert run_two_nodes(s3, tmp_path, config, monkeypatch, exit_code=143) == [143, 143]
-    from dtrain.launcher.ec2.resources import job_state, read_status_objects
+    from dtrain.launcher.ec2.nodes import job_state, read_status_objects
 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["stopped", "stopped"]
@@ -182,7 +182,7 @@ def test_max_run_stops_the_job_with_the_agents_line_as_on_the_other_targets(
     monkeypatch.setenv("STUB_FAILURE", "max_run of 60 s reached on 10.0.0.12; workers were stopped")
     assert run_two_nodes(s3, tmp_path, config, monkeypatch,
                          exit_code=contract.MAX_RUN_EXIT_CODE) == [124, 124]
-    from dtrain.launcher.ec2.resources import job_state, read_status_objects
+    from dtrain.launcher.ec2.nodes import job_state, read_status_objects
 
     nodes = read_status_objects(s3, f"s3://{BUCKET}/dtrain/{JOB}")
     assert [n["state"] for n in nodes] == ["stopped", "stopped"]

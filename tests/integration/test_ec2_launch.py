@@ -1,5 +1,9 @@
 """The EC2 backend against moto: launch a 2-node p4d job, stop it, let it finish, fail half-way,
-gc leftovers, wait for a job until its groups are gone.
+gc leftovers, read its logs, wait for a job until its groups are gone.
+
+The backend is driven as the jobs layer drives it (``Ec2``: ``jobs.submit``, ``jobs.refresh``,
+the backend's ``stop`` with the store's journal), so every store write the tests see went
+through the journal or an ``Update``.
 
 moto implements instances, security groups, subnets, IAM and S3 but not placement groups, and it
 accepts EFA interface types and capacity reservations without modelling them. ``PlacementGroups``
@@ -25,12 +29,15 @@ import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.stub import Stubber
 from dtrain.core.errors import DtrainError
-from dtrain.jobs.store import JobStore
+from dtrain.jobs import api as jobs
+from dtrain.jobs.store import JobRecord, JobStore, new_job_id
+from dtrain.launcher import aws as aws_tags
+from dtrain.launcher import packaging
+from dtrain.launcher.base import Handle, JobIdentity
 from dtrain.launcher.ec2 import requests as req
-from dtrain.launcher.ec2 import resources as res
+from dtrain.launcher.ec2 import tags
 from dtrain.launcher.ec2.launcher import Ec2Launcher
 from dtrain.launcher.ec2.node import bootstrap as boot
-from dtrain.planning.planner import plan
 from dtrain.spec.model import JobSpec
 from moto import mock_aws
 
@@ -78,7 +85,7 @@ class PlacementGroups:
         wanted = {f["Name"][4:]: f["Values"] for f in self._params.get("Filters", [])
                   if f["Name"].startswith("tag:")}
         found = [g for g in self.groups.values()
-                 if all(res.tag_map(g).get(k) in v for k, v in wanted.items())]
+                 if all(tags.tag_map(g).get(k) in v for k, v in wanted.items())]
         return self._ok({"PlacementGroups": found})
 
     def _delete(self, **_):
@@ -137,22 +144,63 @@ def aws(tmp_path, monkeypatch):
     yield from moto_aws(tmp_path, monkeypatch)
 
 
-def launcher_for(aws, **kwargs) -> Ec2Launcher:
-    ssm = boto3.client("ssm", region_name=REGION)
-    stub = Stubber(ssm)
-    ami = aws["ec2"].describe_images()["Images"][0]["ImageId"]
-    stub.add_response("get_parameter", {"Parameter": {"Name": req.DLAMI_SSM_PARAMETER,
-                                                      "Value": ami, "Type": "String"}},
-                      {"Name": req.DLAMI_SSM_PARAMETER})
-    stub.activate()
-    return Ec2Launcher(ec2_client=aws["ec2"], s3_client=aws["s3"], ssm_client=ssm,
-                       region=REGION, stream=io.StringIO(), sleep=lambda s: None, **kwargs)
+class Ec2:
+    """The EC2 target as `dtrain submit/status/stop` drive it, on this test's job store.
+
+    ``clients`` are the backend's constructor arguments (the jobs layer builds a backend from
+    them for each call, as the CLI does); ``launcher`` is one such backend; ``out`` collects
+    what the backends say.
+    """
+
+    def __init__(self, *, ec2_client, s3_client, subnet_id: str | None = None,
+                 ssm: Stubber | None = None, **options):
+        self.out = io.StringIO()
+        self.clients = {"ec2_client": ec2_client, "s3_client": s3_client, "region": REGION,
+                        "stream": self.out, "sleep": lambda s: None, **options}
+        if ssm is not None:
+            self.clients["ssm_client"] = ssm.client
+        self.launcher = Ec2Launcher(**self.clients)
+        self.store = JobStore()
+        self._ssm, self._subnet_id = ssm, subnet_id
+
+    def spec(self, *overrides: str) -> JobSpec:
+        subnet = [f"ec2.subnet_id={self._subnet_id}"] if self._subnet_id else []
+        return JobSpec.from_file(EXAMPLE, overrides=[*subnet, *overrides])
+
+    def submit(self, *overrides: str, job: str = JOB) -> JobRecord:
+        """`dtrain submit --no-wait` with the job name ``job``."""
+        if self._ssm is not None:  # the SSM lookup of the Deep Learning AMI, answered once more
+            ami = self.clients["ec2_client"].describe_images()["Images"][0]["ImageId"]
+            self._ssm.add_response(
+                "get_parameter", {"Parameter": {"Name": req.DLAMI_SSM_PARAMETER, "Value": ami,
+                                                "Type": "String"}},
+                {"Name": req.DLAMI_SSM_PARAMETER})
+        identity = JobIdentity(id=new_job_id(), name=job, submitted_at=time.time())
+        return jobs.submit(self.spec(*overrides), wait=False, store=self.store,
+                           clients=self.clients, job=identity)
+
+    def handle(self, record: JobRecord) -> Handle:
+        return jobs.handle_of(record, self.launcher)
+
+    def status(self, record: JobRecord) -> JobRecord:
+        """`dtrain status`: the backend's Update, written."""
+        return jobs.refresh(record, self.launcher, self.store)
+
+    def stop(self, job: JobRecord | str) -> JobRecord:
+        """The backend's stop, recording through the store's journal (`dtrain stop` asks
+        ``status`` first, which these tests do where they mean it)."""
+        record = self.store.find(job) if isinstance(job, str) else job
+        self.launcher.stop(self.handle(record),
+                           jobs.StoreJournal(self.store, self.launcher, record.id))
+        return self.store.get(record.id)
 
 
-def p4d_request(launcher, aws, *overrides):
-    spec = JobSpec.from_file(EXAMPLE, overrides=[
-        f"ec2.subnet_id={aws['subnet']['SubnetId']}", *overrides])
-    return launcher.build_request(plan(spec), job_name=JOB)
+def ec2_target(aws, **options) -> Ec2:
+    """The backend on the moto account, with the SSM lookup of the Deep Learning AMI stubbed."""
+    ssm = Stubber(boto3.client("ssm", region_name=REGION))
+    ssm.activate()
+    return Ec2(ec2_client=aws["ec2"], s3_client=aws["s3"], ssm=ssm,
+               subnet_id=aws["subnet"]["SubnetId"], **options)
 
 
 def live_instances(ec2) -> list[dict]:
@@ -166,9 +214,8 @@ def dtrain_groups(ec2) -> list[dict]:
 
 
 def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    request = p4d_request(launcher, aws)
-    record = launcher.submit(request)
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     assert (record.name, record.target, record.status) == (JOB, "ec2", "Starting")
     assert JobStore().find(JOB) == record
     assert record.output_location == f"s3://{BUCKET}/dtrain/{JOB}/model/"
@@ -178,20 +225,20 @@ def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
     assert sorted(i["InstanceId"] for i in nodes) == sorted(facts["instance_ids"])
     assert len(nodes) == 2 and {i["SubnetId"] for i in nodes} == {aws["subnet"]["SubnetId"]}
     for instance in nodes:
-        tags = res.tag_map(instance)
-        assert tags[req.TAG_JOB] == JOB and tags[req.TAG_CREATED_BY] == "dtrain"
-        assert tags[req.TAG_LAUNCH] == facts["launch_token"]
+        found = tags.tag_map(instance)
+        assert found[aws_tags.TAG_JOB] == JOB and found[aws_tags.TAG_CREATED_BY] == "dtrain"
+        assert found[tags.TAG_LAUNCH] == facts["launch_token"]
         assert instance["MetadataOptions"]["HttpTokens"] == "required"
         raw = ec2.describe_instance_attribute(InstanceId=instance["InstanceId"],
                                               Attribute="userData")["UserData"]["Value"]
         text = base64.b64decode(raw).decode()
-        assert f"export DTRAIN_NODE_RANK={tags[req.TAG_NODE_RANK]}\n" in text
+        assert f"export DTRAIN_NODE_RANK={found[tags.TAG_NODE_RANK]}\n" in text
         assert f'"launch_token": "{facts["launch_token"]}"' in text and "{{" not in text
     # what moto cannot model, asserted on the requests sent
     group = facts["placement_group"]
     kind, created = aws["pg"].calls[0]
     assert (kind, created["GroupName"], created["Strategy"]) == ("create", group, "cluster")
-    assert res.tag_map(created["TagSpecifications"][0])[req.TAG_JOB] == JOB
+    assert tags.tag_map(created["TagSpecifications"][0])[aws_tags.TAG_JOB] == JOB
     for sent in aws["sent"]:
         assert sent["Placement"] == {"GroupName": group}
         assert [n["InterfaceType"] for n in sent["NetworkInterfaces"]] == ["efa"] * 4
@@ -204,26 +251,26 @@ def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
     # code and runtime wheel uploaded for the bootstrap
     keys = {o["Key"] for o in aws["s3"].list_objects_v2(Bucket=BUCKET)["Contents"]}
     assert {f"dtrain/{JOB}/source/sourcedir.tar.gz",
-            f"dtrain/{JOB}/source/{req.WHEEL_NAME}"} <= keys
-    assert launcher.job_status(record)["status"] == "Starting"
-    assert launcher.status(record).status == "Starting"  # no node has reported running yet
+            f"dtrain/{JOB}/source/{packaging.wheel_name()}"} <= keys
+    assert target.launcher.job_status(target.handle(record))["status"] == "Starting"
+    assert target.status(record).status == "Starting"  # no node has reported running yet
 
 
 def test_stop_leaves_no_running_instance_and_no_dtrain_security_group(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.stop(launcher.submit(p4d_request(launcher, aws)))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.stop(target.submit())
     assert record.status == "Stopping" and record.target_data["cleanup"]["state"] == "done"
     assert live_instances(aws["ec2"]) == []
     assert dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {}
-    assert launcher.status(record).status == "Stopped"
+    assert target.status(record).status == "Stopped"
 
 
 def test_capacity_error_on_second_node_rolls_everything_back(aws):
-    launcher = launcher_for(aws, assume_yes=True)
+    target = ec2_target(aws, assume_yes=True)
     fail_run_instances_after(aws["ec2"], launched=1)
     with pytest.raises(DtrainError) as caught:
-        launcher.submit(p4d_request(launcher, aws))
+        target.submit()
     message = str(caught.value)
     assert "\n" not in message and "InsufficientInstanceCapacity" in message
     assert "launched 1 of 2 nodes, all terminated" in message
@@ -237,21 +284,28 @@ def test_capacity_error_on_second_node_rolls_everything_back(aws):
 
 
 def test_cost_above_threshold_is_refused_without_yes_and_nothing_is_created(aws):
-    launcher = launcher_for(aws)
+    target = ec2_target(aws)
     with pytest.raises(DtrainError, match="confirm_above_usd"):
-        launcher.submit(p4d_request(launcher, aws))
+        target.submit()
     assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
+    assert "Contents" not in aws["s3"].list_objects_v2(Bucket=BUCKET)  # nothing uploaded
     asked = []
-    launcher = launcher_for(aws, confirm=lambda q: asked.append(q) or False)
+    target = ec2_target(aws, confirm=lambda q: asked.append(q) or False)
     with pytest.raises(DtrainError):
-        launcher.submit(p4d_request(launcher, aws))
+        target.submit()
     assert "up to $786.54" in asked[0]
+    refused = target.store.find(JOB)  # the record says why; nothing of it is left to remove
+    assert refused.status == "Failed" and refused.failure_reason.startswith("not launched: ")
+    assert target.launcher.pending_cleanup(target.handle(refused)) is None
+    calls = count_ec2_calls(aws["ec2"])
+    assert target.status(refused) == refused and target.stop(refused) == refused and calls == []
+    with pytest.raises(DtrainError, match="no logs: it was never launched"):
+        list(jobs.logs(refused.id, store=target.store, clients=target.clients))
 
 
 def test_capacity_reservation_is_sent_as_given(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    launcher.submit(p4d_request(launcher, aws, "ec2.capacity_reservation_id=cr-0abc",
-                                "ec2.capacity_block=true"))
+    target = ec2_target(aws, assume_yes=True)
+    target.submit("ec2.capacity_reservation_id=cr-0abc", "ec2.capacity_block=true")
     for sent in aws["sent"]:
         assert sent["CapacityReservationSpecification"] == {
             "CapacityReservationTarget": {"CapacityReservationId": "cr-0abc"}}
@@ -263,17 +317,18 @@ def plant_leftovers(aws, *, launched_at: str = "2020-01-01T00:00:00Z"):
     job store), a dtrain security group, and look-alikes without tags."""
     ec2 = aws["ec2"]
     ami = ec2.describe_images()["Images"][0]["ImageId"]
-    tags = [{"Key": req.TAG_CREATED_BY, "Value": "dtrain"}, {"Key": req.TAG_JOB, "Value": "old"},
-            {"Key": req.TAG_LAUNCH, "Value": "t1"}, {"Key": req.TAG_NUM_NODES, "Value": "2"},
-            {"Key": req.TAG_LAUNCHED_AT, "Value": launched_at}]
+    planted = [{"Key": aws_tags.TAG_CREATED_BY, "Value": "dtrain"},
+               {"Key": aws_tags.TAG_JOB, "Value": "old"}, {"Key": tags.TAG_LAUNCH, "Value": "t1"},
+               {"Key": tags.TAG_NUM_NODES, "Value": "2"},
+               {"Key": tags.TAG_LAUNCHED_AT, "Value": launched_at}]
     orphan = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1, TagSpecifications=[
-        {"ResourceType": "instance", "Tags": tags}])["Instances"][0]["InstanceId"]
+        {"ResourceType": "instance", "Tags": planted}])["Instances"][0]["InstanceId"]
     vpc = aws["subnet"]["VpcId"]
     group = ec2.create_security_group(GroupName="dtrain-old-t1", Description="x", VpcId=vpc,
                                       TagSpecifications=[{"ResourceType": "security-group",
-                                                          "Tags": tags}])["GroupId"]
+                                                          "Tags": planted}])["GroupId"]
     ec2.create_placement_group(GroupName="dtrain-old-t1", Strategy="cluster", TagSpecifications=[
-        {"ResourceType": "placement-group", "Tags": tags}])
+        {"ResourceType": "placement-group", "Tags": planted}])
     mine = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1)["Instances"][0]["InstanceId"]
     my_group = ec2.create_security_group(GroupName="dtrain-lookalike", Description="untagged",
                                          VpcId=vpc)["GroupId"]
@@ -285,8 +340,8 @@ def test_gc_removes_planted_leftovers_and_nothing_untagged(aws):
     from dtrain.cli.ec2 import ec2 as ec2_group
 
     planted = plant_leftovers(aws)
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))  # a healthy job: gc leaves it alone
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()  # a healthy job: gc leaves it alone
     runner = CliRunner()
     dry = runner.invoke(ec2_group, ["gc", "--dry-run"])
     assert dry.exit_code == 0, dry.output
@@ -299,7 +354,7 @@ def test_gc_removes_planted_leftovers_and_nothing_untagged(aws):
     groups = {g["GroupId"] for g in aws["ec2"].describe_security_groups()["SecurityGroups"]}
     assert planted["group"] not in groups and planted["my_group"] in groups
     assert "dtrain-old-t1" not in aws["pg"].groups and len(aws["pg"].groups) == 1
-    assert launcher.job_status(record)["status"] == "Starting"
+    assert target.launcher.job_status(target.handle(record))["status"] == "Starting"
 
 
 # ---------------------------------------------------------------- a job that ends on its own
@@ -311,7 +366,7 @@ def finish_nodes(aws, record, *, power_off: bool = True, state: str = "completed
     nodes = [i for r in aws["ec2"].describe_instances(InstanceIds=ids)["Reservations"]
              for i in r["Instances"]]
     for instance in nodes:
-        node = boot.Node(rank=int(res.tag_map(instance)[req.TAG_NODE_RANK]),
+        node = boot.Node(rank=int(tags.tag_map(instance)[tags.TAG_NODE_RANK]),
                          private_ip=instance["PrivateIpAddress"],
                          instance_id=instance["InstanceId"], root="/opt/ml", work_dir="/opt/dtrain")
         boot.write_status(aws["s3"], record.target_data, node, state,
@@ -369,13 +424,13 @@ def count_ec2_calls(client) -> list[str]:
 
 
 def test_a_job_that_completes_on_its_own_leaves_no_group_once_status_sees_it_end(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     group = record.target_data["security_group_id"]
     # nodes report completion a moment before they power off: the groups are still in use
     finish_nodes(aws, record, power_off=False)
     asked = termination_takes_a_while(aws["ec2"])
-    record = launcher.status(record)
+    record = target.status(record)
     assert record.status == "Completed"
     # what still runs of an ended job is terminated, not trusted to power itself off
     assert asked == [record.target_data["instance_ids"]]
@@ -384,14 +439,14 @@ def test_a_job_that_completes_on_its_own_leaves_no_group_once_status_sees_it_end
     assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [group]
     boto3.client("ec2", region_name=REGION).terminate_instances(  # EC2 finishes shutting down
         InstanceIds=record.target_data["instance_ids"])
-    record = launcher.status(record)
+    record = target.status(record)
     assert record.status == "Completed" and record.target_data["cleanup"]["state"] == "done"
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
     assert set(record.target_data["cleanup"]["removed"]) == {
         group, record.target_data["placement_group"]}
-    assert f"removed {group}" in launcher.out.getvalue()
+    assert f"removed {group}" in target.out.getvalue()
     calls = count_ec2_calls(aws["ec2"])
-    assert launcher.status(record) == JobStore().get(record.id) and calls == []  # done: no retry
+    assert target.status(record) == JobStore().get(record.id) and calls == []  # done: no retry
 
 
 def test_a_placement_group_and_security_groups_the_user_made_are_never_removed(aws):
@@ -403,11 +458,11 @@ def test_a_placement_group_and_security_groups_the_user_made_are_never_removed(a
             aws["ec2"].create_security_group(
                 GroupName=f"dtrain-{JOB}-mine", Description="mine", VpcId=vpc,
                 TagSpecifications=[{"ResourceType": "security-group",
-                                    "Tags": [{"Key": req.TAG_JOB, "Value": JOB}]}])["GroupId"]]
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws, "ec2.placement_group=my-cluster-pg"))
+                                    "Tags": [{"Key": aws_tags.TAG_JOB, "Value": JOB}]}])["GroupId"]]
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit("ec2.placement_group=my-cluster-pg")
     finish_nodes(aws, record)
-    record = launcher.status(record)
+    record = target.status(record)
     assert record.status == "Completed" and record.target_data["cleanup"]["removed"] == [
         record.target_data["security_group_id"]]
     assert list(aws["pg"].groups) == ["my-cluster-pg"]
@@ -416,21 +471,21 @@ def test_a_placement_group_and_security_groups_the_user_made_are_never_removed(a
 
 
 def test_a_security_group_still_in_use_is_removed_by_the_next_status_call(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     group = record.target_data["security_group_id"]
     tried = security_group_in_use(aws["ec2"], times=1)
     finish_nodes(aws, record)
-    record = launcher.status(record)  # no exception: the job did complete
+    record = target.status(record)  # no exception: the job did complete
     assert record.status == "Completed" and tried == [group]
     cleanup = record.target_data["cleanup"]
     assert cleanup["state"] == "pending" and cleanup["left"] == [group]
     assert cleanup["removed"] == [record.target_data["placement_group"]]
     assert "DependencyViolation" in cleanup["reason"]
-    assert f"{group} not removed yet" in launcher.out.getvalue()
-    assert "dtrain ec2 gc" in launcher.out.getvalue()
+    assert f"{group} not removed yet" in target.out.getvalue()
+    assert "dtrain ec2 gc" in target.out.getvalue()
     assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [group]
-    record = launcher.status(JobStore().get(record.id))
+    record = target.status(JobStore().get(record.id))
     assert tried == [group, group] and dtrain_groups(aws["ec2"]) == []
     assert record.status == "Completed" and record.target_data["cleanup"]["state"] == "done"
 
@@ -438,21 +493,21 @@ def test_a_security_group_still_in_use_is_removed_by_the_next_status_call(aws):
 def test_a_group_in_use_for_an_hour_is_left_to_gc_which_removes_it_by_default(aws):
     from click.testing import CliRunner
     from dtrain.cli.ec2 import ec2 as ec2_group
-    from dtrain.launcher.ec2.launcher import CLEANUP_RETRY_S
+    from dtrain.launcher.ec2.cleanup import CLEANUP_RETRY_S
 
     now = {"t": 1_700_000_000.0}
-    launcher = launcher_for(aws, assume_yes=True, clock=lambda: datetime.fromtimestamp(
+    target = ec2_target(aws, assume_yes=True, clock=lambda: datetime.fromtimestamp(
         now["t"], timezone.utc))
-    record = launcher.submit(p4d_request(launcher, aws))
+    record = target.submit()
     group = record.target_data["security_group_id"]
     tried = security_group_in_use(aws["ec2"])  # the launcher's client only, not gc's
     finish_nodes(aws, record, state="failed")
-    assert launcher.status(record).target_data["cleanup"]["state"] == "pending"
+    assert target.status(record).target_data["cleanup"]["state"] == "pending"
     now["t"] += CLEANUP_RETRY_S
-    record = launcher.status(JobStore().get(record.id))
+    record = target.status(JobStore().get(record.id))
     assert record.status == "Failed" and record.target_data["cleanup"]["state"] == "left-for-gc"
     assert record.target_data["cleanup"]["tries"] == 2 and len(tried) == 2
-    assert launcher.status(record) == record and len(tried) == 2  # not retried forever
+    assert target.status(record) == record and len(tried) == 2  # not retried forever
     done = CliRunner().invoke(ec2_group, ["gc", "--yes"])  # no --all needed
     assert done.exit_code == 0, done.output
     assert f"remove security group {group}" in done.output and dtrain_groups(aws["ec2"]) == []
@@ -462,8 +517,8 @@ def test_gc_keeps_a_finishing_cluster_whose_other_node_already_terminated(aws):
     from click.testing import CliRunner
     from dtrain.cli.ec2 import ec2 as ec2_group
 
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     first, second = record.target_data["instance_ids"]
     aws["ec2"].terminate_instances(InstanceIds=[first])  # node 0 is done, node 1 still uploads
     dry = CliRunner().invoke(ec2_group, ["gc", "--dry-run"])
@@ -476,14 +531,57 @@ def test_dtrain_status_of_a_job_that_ended_removes_its_groups_and_says_so(aws):
     from click.testing import CliRunner
     from dtrain.cli.main import cli
 
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     finish_nodes(aws, record)
     shown = CliRunner().invoke(cli, ["status", record.id])  # the CLI builds its own clients
     assert shown.exit_code == 0, shown.output
     assert "status    Completed" in shown.stdout
     assert f"removed {record.target_data['security_group_id']}" in shown.stderr
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
+
+
+# ---------------------------------------------------------------- logs
+
+def put_log(aws, record, rel: str, body: bytes) -> None:
+    """A log object as a node's bootstrap uploads it, under ``{prefix}/logs/<host>/``."""
+    key = record.target_data["prefix"].split(f"s3://{BUCKET}/", 1)[1]
+    aws["s3"].put_object(Bucket=BUCKET, Key=f"{key}/logs/{rel}", Body=body)
+
+
+def test_logs_read_as_on_every_target_rank_lines_from_rank_logs_host_lines_otherwise(aws):
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
+    put_log(aws, record, "10.0.0.1/bootstrap.log",  # the agent echoes each worker line
+            b"dtrain: node 0 installing\n[10.0.0.1 0]:step 1\nagent: workers exited\n")
+    put_log(aws, record, "10.0.0.1/rank-0.stdout.log", b"step 1\nstep 2\n")
+    put_log(aws, record, "10.0.0.1/rank-1.stderr.log", b"warning: slow\n")
+    put_log(aws, record, "10.0.0.1/rank-0.error.json", b"{}")
+    put_log(aws, record, "10.0.0.2/rank-2.attempt-1.stdout.log", b"restarted\n")
+
+    def logs(**only):
+        return list(jobs.logs(record.id, store=target.store, clients=target.clients, **only))
+    assert logs() == ["[10.0.0.1] dtrain: node 0 installing", "[10.0.0.1] agent: workers exited",
+                      "[10.0.0.1 0]:step 1", "[10.0.0.1 0]:step 2", "[10.0.0.1 1]:warning: slow",
+                      "[10.0.0.2 2]:restarted"]
+    assert logs(rank=0) == ["[10.0.0.1 0]:step 1", "[10.0.0.1 0]:step 2"]
+    assert logs(host="10.0.0.2") == ["[10.0.0.2 2]:restarted"]
+
+
+def test_following_logs_gives_each_line_once_and_whole(aws):
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
+    put_log(aws, record, "10.0.0.1/rank-0.stdout.log", b"step 1\nstep")  # synced mid-line
+    syncs = iter([b"step 1\nstep 2\nstep", b"step 1\nstep 2\nstep 3\nlast words"])
+
+    def next_sync(_seconds):  # the node uploads its log folder again between two looks
+        put_log(aws, record, "10.0.0.1/rank-0.stdout.log", next(syncs))
+    looks = iter([False, False, True])
+    launcher = Ec2Launcher(**{**target.clients, "sleep": next_sync})
+    lines = list(launcher.logs(target.handle(record), follow=True, host=None, rank=None,
+                               ended=lambda: next(looks)))
+    assert lines == ["[10.0.0.1 0]:step 1", "[10.0.0.1 0]:step 2", "[10.0.0.1 0]:step 3",
+                     "[10.0.0.1 0]:last words"]  # the job ended: its last line is complete
 
 
 # ---------------------------------------------------------------- waiting for a job to end
@@ -509,8 +607,8 @@ def on_describe_instances(client, *, at: int, do) -> list[int]:
 def test_waiting_goes_on_after_completed_until_the_nodes_terminated_and_the_groups_are_gone(aws):
     from dtrain.jobs import api as jobs
 
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     group, pg = record.target_data["security_group_id"], record.target_data["placement_group"]
     finish_nodes(aws, record, power_off=False)  # "completed" is written, the nodes shut down
     termination_takes_a_while(aws["ec2"])
@@ -534,8 +632,8 @@ def test_waiting_goes_on_after_completed_until_the_nodes_terminated_and_the_grou
 def test_waiting_for_the_groups_is_bounded_and_a_completed_job_stays_completed(aws):
     from dtrain.jobs import api as jobs
 
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     group = record.target_data["security_group_id"]
     finish_nodes(aws, record, power_off=False)  # and the nodes never terminate
     termination_takes_a_while(aws["ec2"])
@@ -557,8 +655,8 @@ def test_waiting_for_the_groups_is_bounded_and_a_completed_job_stays_completed(a
 def test_ctrl_c_while_waiting_for_the_groups_returns_the_ended_job_and_says_who_retries(aws):
     from dtrain.jobs import api as jobs
 
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     finish_nodes(aws, record, state="failed", power_off=False)
     termination_takes_a_while(aws["ec2"])
 

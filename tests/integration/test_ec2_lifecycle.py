@@ -10,7 +10,6 @@ off through its own client.
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 from datetime import datetime, timezone
@@ -20,16 +19,16 @@ import pytest
 import test_ec2_launch as ec2_test
 from dtrain.core.errors import DtrainError
 from dtrain.jobs.store import JobStore
-from dtrain.launcher.ec2 import requests as req
-from dtrain.launcher.ec2 import resources as res
-from dtrain.launcher.ec2.launcher import Ec2Launcher
+from dtrain.launcher.ec2 import gc, tags
 from dtrain.launcher.ec2.node import bootstrap as boot
+from dtrain.launcher.ec2.nodes import FAILED_PEER_GRACE_S
 from test_ec2_launch import (
+    JOB,
     REGION,
+    Ec2,
     dtrain_groups,
-    launcher_for,
+    ec2_target,
     live_instances,
-    p4d_request,
 )
 
 LINE = ("interrupted: training stopped at step 1200 after a checkpoint because a host received "
@@ -56,7 +55,7 @@ def report(aws, record, rank: int, state: str, reason: str = "", **extra) -> str
 
 def failed_long_ago() -> float:
     """A failure report's time from before the peers' grace began."""
-    return time.time() - res.FAILED_PEER_GRACE_S - 60
+    return time.time() - FAILED_PEER_GRACE_S - 60
 
 
 def power_off(*instance_ids: str) -> None:
@@ -68,25 +67,25 @@ def power_off(*instance_ids: str) -> None:
 
 def test_an_interrupted_job_is_stopping_while_a_peer_runs_then_stopped_with_the_runtimes_line(
         aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     line = LINE.format(job=record.name)
     first = report(aws, record, 0, "stopped", line)  # the peer of the interrupted host...
     power_off(first)
     report(aws, record, 1, "running")  # ...while this one still checkpoints and uploads
-    record = launcher.status(record)
+    record = target.status(record)
     assert (record.status, record.target_data["secondary_status"]) == ("Stopping", "Interrupted")
     assert record.failure_reason == line
     assert len(live_instances(aws["ec2"])) == 1  # an interruption does not kill the peer
     power_off(record.target_data["instance_ids"][1])  # its bootstrap was killed with the node
-    record = launcher.status(record)
+    record = target.status(record)
     assert record.status == "Stopped" and record.failure_reason == line
 
 
 def test_dtrain_stop_says_stopped_by_user(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.stop(launcher.submit(p4d_request(launcher, aws)))
-    record = launcher.status(record)
+    target = ec2_target(aws, assume_yes=True)
+    record = target.stop(target.submit())
+    record = target.status(record)
     assert record.status == "Stopped" and record.failure_reason == "stopped by user (dtrain stop)"
 
 
@@ -94,56 +93,56 @@ def test_dtrain_stop_says_stopped_by_user(aws):
 
 def test_a_failed_nodes_peer_that_has_not_reported_runs_until_the_grace_ends_then_goes(aws):
     now = {"t": time.time()}
-    launcher = launcher_for(aws, assume_yes=True, clock=lambda: datetime.fromtimestamp(
+    target = ec2_target(aws, assume_yes=True, clock=lambda: datetime.fromtimestamp(
         now["t"], timezone.utc))
-    record = launcher.submit(p4d_request(launcher, aws))
+    record = target.submit()
     failed = report(aws, record, 0, "failed", "rank 3 exited with code 1: CUDA error")
     now["t"] = time.time()
     power_off(failed)
     # waits in a collective for node 0 until it times out, then uploads its checkpoint shards
     peer = report(aws, record, 1, "running")
-    record = launcher.status(record)
+    record = target.status(record)
     assert record.status == "Failed"
     assert record.failure_reason == "rank 3 exited with code 1: CUDA error"
     assert [i["InstanceId"] for i in live_instances(aws["ec2"])] == [peer], \
         "the failed node's peer was terminated before it could upload its checkpoints"
     cleanup = record.target_data["cleanup"]
     assert cleanup["state"] == "pending" and cleanup["spared"] == [peer]
-    assert f"leaving 1 node(s) that have not reported running ({peer})" in launcher.out.getvalue()
-    assert launcher.pending_cleanup(record).once.startswith(
+    assert f"leaving 1 node(s) that have not reported running ({peer})" in target.out.getvalue()
+    assert target.launcher.pending_cleanup(target.handle(record)).once.startswith(
         "the node still running after the failure has uploaded its checkpoints and terminated "
         "(dtrain terminates it at ")
-    now["t"] += res.FAILED_PEER_GRACE_S - 60
-    record = launcher.status(record)
+    now["t"] += FAILED_PEER_GRACE_S - 60
+    record = target.status(record)
     assert [i["InstanceId"] for i in live_instances(aws["ec2"])] == [peer]
     now["t"] += 61  # the grace has passed: its collectives would have timed out long ago
-    record = launcher.status(record)
+    record = target.status(record)
     assert live_instances(aws["ec2"]) == [] and record.target_data["cleanup"]["state"] == "pending"
-    assert f"terminated 1 node(s) still running ({peer})" in launcher.out.getvalue()
-    record = launcher.status(record)
+    assert f"terminated 1 node(s) still running ({peer})" in target.out.getvalue()
+    record = target.status(record)
     assert record.target_data["cleanup"]["state"] == "done" and dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {} and record.status == "Failed"
 
 
 def test_a_failed_nodes_peer_that_has_reported_is_terminated_at_once_the_others_are_left(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws, "compute.instance_count=3"))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit("compute.instance_count=3")
     power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1: CUDA error"))
     done = report(aws, record, 1, "failed", "rank 9: NCCL timeout")  # uploaded; powering off
     left = report(aws, record, 2, "running")
     asked = ec2_test.termination_takes_a_while(aws["ec2"])
-    record = launcher.status(record)
+    record = target.status(record)
     assert record.status == "Failed" and asked == [[done]]
     assert record.target_data["cleanup"]["spared"] == [left]
 
 
-def ended_with_a_live_peer(aws, launcher, *, failed_at: float):
+def ended_with_a_live_peer(aws, target, *, failed_at: float):
     """A Failed job whose peer still runs and has not reported, its groups left for gc."""
-    record = launcher.submit(p4d_request(launcher, aws))
+    record = target.submit()
     power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1", updated=failed_at))
     store = JobStore()
     store.update(record.id, status="Failed", failure_reason="rank 3 exited with code 1")
-    record = store.update_target_data(record.id, {"cleanup": {
+    record = store.update(record.id, target_data={"cleanup": {
         "state": "left-for-gc", "removed": [], "left": [record.target_data["security_group_id"]],
         "reason": "1 node(s) not terminated yet", "nodes_left": 1}})
     assert len(live_instances(aws["ec2"])) == 1
@@ -151,24 +150,24 @@ def ended_with_a_live_peer(aws, launcher, *, failed_at: float):
 
 
 def test_stop_of_a_job_that_already_failed_terminates_what_still_runs_and_keeps_the_status(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    record = ended_with_a_live_peer(aws, launcher, failed_at=time.time())
-    stopped = launcher.stop(record.id)  # the user's call: no grace for the peer
+    target = ec2_target(aws, assume_yes=True)
+    record = ended_with_a_live_peer(aws, target, failed_at=time.time())
+    stopped = target.stop(record.id)  # the user's call: no grace for the peer
     assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {}
     assert stopped.status == "Failed" and stopped.failure_reason == "rank 3 exited with code 1"
     assert stopped.target_data["cleanup"]["state"] == "done"
-    assert "(it had ended: Failed): terminated 1 node(s)" in launcher.out.getvalue()
+    assert "(it had ended: Failed): terminated 1 node(s)" in target.out.getvalue()
     calls = ec2_test.count_ec2_calls(aws["ec2"])
-    assert launcher.stop(stopped) == stopped and "TerminateInstances" not in calls
+    assert target.stop(stopped) == stopped and "TerminateInstances" not in calls
 
 
 def test_gc_removes_the_live_peer_and_groups_of_a_job_its_record_says_failed(aws):
     from click.testing import CliRunner
     from dtrain.cli.ec2 import ec2 as ec2_group
 
-    launcher = launcher_for(aws, assume_yes=True)
-    record = ended_with_a_live_peer(aws, launcher, failed_at=failed_long_ago())
+    target = ec2_target(aws, assume_yes=True)
+    record = ended_with_a_live_peer(aws, target, failed_at=failed_long_ago())
     peer = live_instances(aws["ec2"])[0]["InstanceId"]
     done = CliRunner().invoke(ec2_group, ["gc", "--yes"])  # however young the launch
     assert done.exit_code == 0, done.output
@@ -182,8 +181,8 @@ def test_gc_leaves_a_failed_jobs_unreported_peer_alone_while_it_may_upload(aws):
     from click.testing import CliRunner
     from dtrain.cli.ec2 import ec2 as ec2_group
 
-    launcher = launcher_for(aws, assume_yes=True)
-    record = ended_with_a_live_peer(aws, launcher, failed_at=time.time() - 60)
+    target = ec2_target(aws, assume_yes=True)
+    record = ended_with_a_live_peer(aws, target, failed_at=time.time() - 60)
     peer = live_instances(aws["ec2"])[0]["InstanceId"]
     kept = CliRunner().invoke(ec2_group, ["gc", "--yes"])
     assert kept.exit_code == 0, kept.output
@@ -200,8 +199,8 @@ def test_gc_without_a_record_removes_a_cluster_whose_nodes_reported_a_failure(aw
     from click.testing import CliRunner
     from dtrain.cli.ec2 import ec2 as ec2_group
 
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     power_off(report(aws, record, 0, "failed", "rank 3 exited with code 1",
                      updated=failed_long_ago()))  # the peer's grace has passed
     peer = report(aws, record, 1, "running")
@@ -221,8 +220,7 @@ def test_gc_during_a_launch_leaves_its_groups_and_first_node_alone(aws, tmp_path
     from click.testing import CliRunner
     from dtrain.cli.ec2 import ec2 as ec2_group
 
-    launcher = launcher_for(aws, assume_yes=True)
-    request = p4d_request(launcher, aws)
+    target = ec2_target(aws, assume_yes=True)
     ran = []
 
     def gc_before_node_two(**_):  # its groups and node 1 exist, its record lists no node yet
@@ -231,7 +229,7 @@ def test_gc_during_a_launch_leaves_its_groups_and_first_node_alone(aws, tmp_path
             env = {} if home == "this machine" else {"DTRAIN_HOME": str(tmp_path / "other")}
             ran.append(CliRunner().invoke(ec2_group, ["gc", "--yes"], env=env))
     aws["ec2"].meta.events.register("before-call.ec2.RunInstances", gc_before_node_two)
-    record = launcher.submit(request)
+    record = target.submit()
     assert ran[0].exit_code == 0, ran[0].output
     assert ran[0].output.endswith("no dtrain leftovers found\n")
     assert ("younger than 30 min" in ran[0].output) == (home == "another machine")
@@ -244,35 +242,33 @@ def test_gc_during_a_launch_leaves_its_groups_and_first_node_alone(aws, tmp_path
 # ---------------------------------------------------------------- stop while launching
 
 def test_stop_while_the_launch_is_under_way_ends_it_stopped_with_nothing_left(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    request = p4d_request(launcher, aws)
-    other = launcher_for(aws)  # `dtrain stop` from another shell, same job store
+    target = ec2_target(aws, assume_yes=True)
+    other = ec2_target(aws)  # `dtrain stop` from another shell, same job store
     stopped = []
 
     def stop_before_node_two(**_):
         if len(live_instances(aws["ec2"])) == 1 and not stopped:
-            stopped.append(other.stop(JobStore().find(request["job"])))
+            stopped.append(other.stop(JOB))
     aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
     with pytest.raises(DtrainError) as caught:
-        launcher.submit(request)
+        target.submit()
     assert str(caught.value).startswith("stopped by `dtrain stop` while launching (launched 2 "
                                         "of 2 nodes, all terminated)")
     assert stopped[0].status == "Stopping"  # the launch was still under way: it finishes it
-    record = JobStore().find(request["job"])
+    record = JobStore().find(JOB)
     assert record.status == "Stopped"
     assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {}
 
 
-def another_shell(aws) -> tuple[Ec2Launcher, object]:
+def another_shell(aws) -> tuple[Ec2, object]:
     """`dtrain stop` from another shell: the same job store, its own launcher and EC2 client (so
     the test doubles below slow down its calls only)."""
     ec2 = boto3.client("ec2", region_name=REGION)
-    return Ec2Launcher(ec2_client=ec2, s3_client=aws["s3"], region=REGION,
-                       stream=io.StringIO(), sleep=lambda s: None), ec2
+    return Ec2(ec2_client=ec2, s3_client=aws["s3"]), ec2
 
 
-def a_slow_stopper(aws, until: threading.Event) -> tuple[Ec2Launcher, threading.Event]:
+def a_slow_stopper(aws, until: threading.Event) -> tuple[Ec2, threading.Event]:
     """``another_shell`` whose TerminateInstances waits for ``until`` (a real node takes about a
     minute to terminate); the returned event is set once the stop has got to terminating."""
     stopper, stopper_ec2 = another_shell(aws)
@@ -289,12 +285,11 @@ def a_slow_stopper(aws, until: threading.Event) -> tuple[Ec2Launcher, threading.
 def test_a_stop_that_runs_while_the_launch_goes_on_leaves_no_node_running(aws):
     # the stop runs in a thread while the launcher launches; its termination takes a while (a
     # real node needs about a minute), and the launcher goes on with node 2 meanwhile
-    launcher = launcher_for(aws, assume_yes=True)
-    request = p4d_request(launcher, aws)
+    target = ec2_target(aws, assume_yes=True)
     release = threading.Event()
     stopper, terminating = a_slow_stopper(aws, until=release)
     stops = []
-    stop = threading.Thread(target=lambda: stops.append(stopper.stop(request["job"])))
+    stop = threading.Thread(target=lambda: stops.append(stopper.stop(JOB)))
 
     def stop_before_node_two(**_):
         if len(live_instances(aws["ec2"])) == 1 and not stop.is_alive() and not stops:
@@ -302,13 +297,13 @@ def test_a_stop_that_runs_while_the_launch_goes_on_leaves_no_node_running(aws):
             assert terminating.wait(60), "the stop never got to terminating node 1"
     aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
     try:
-        launcher.submit(request)
+        target.submit()
         outcome = "launched every node"
     except DtrainError as exc:
         outcome = str(exc)
     release.set()
     stop.join(60)
-    record = launcher.status(JobStore().find(request["job"]))  # as a waiting client does
+    record = target.status(JobStore().find(JOB))  # as a waiting client does
     assert live_instances(aws["ec2"]) == [], "a node of the stopped launch still runs"
     assert record.status == "Stopped"
     assert outcome.startswith("stopped by `dtrain stop` while launching (launched 2 of 2 nodes, "
@@ -320,12 +315,11 @@ def test_a_stop_that_runs_while_the_launch_goes_on_leaves_no_node_running(aws):
 def test_stop_terminates_a_node_the_launch_started_while_it_was_terminating_the_others(aws):
     # node 2's RunInstances lands after the stop listed the launch's nodes, then the launcher
     # stalls (EC2 slow to answer, a suspended laptop): the stop alone must get node 2 too
-    launcher = launcher_for(aws, assume_yes=True)
-    request = p4d_request(launcher, aws)
+    target = ec2_target(aws, assume_yes=True)
     node_two = threading.Event()
     stopper, terminating = a_slow_stopper(aws, until=node_two)
     stops, runs, live_once_stopped = [], [], []
-    stop = threading.Thread(target=lambda: stops.append(stopper.stop(request["job"])))
+    stop = threading.Thread(target=lambda: stops.append(stopper.stop(JOB)))
 
     def stop_before_node_two(**_):
         runs.append(1)
@@ -341,17 +335,17 @@ def test_stop_terminates_a_node_the_launch_started_while_it_was_terminating_the_
     aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
     aws["ec2"].meta.events.register("after-call.ec2.RunInstances", stall_after_node_two)
     with pytest.raises(DtrainError, match="stopped by `dtrain stop` while launching"):
-        launcher.submit(request)
+        target.submit()
     assert stops and live_once_stopped == [], "the stop returned with node 2 running"
     assert "terminated 2 node(s)" in stopper.out.getvalue()
-    record = JobStore().find(request["job"])
+    record = JobStore().find(JOB)
     assert record.status == "Stopped" and live_instances(aws["ec2"]) == []
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
 
 
 def test_ctrl_c_during_stop_leaves_a_stopping_job_whose_nodes_the_next_status_terminates(aws):
-    launcher = launcher_for(aws, assume_yes=True)
-    record = launcher.submit(p4d_request(launcher, aws))
+    target = ec2_target(aws, assume_yes=True)
+    record = target.submit()
     stopper, stopper_ec2 = another_shell(aws)
 
     def ctrl_c(**_):
@@ -362,9 +356,9 @@ def test_ctrl_c_during_stop_leaves_a_stopping_job_whose_nodes_the_next_status_te
     record = JobStore().get(record.id)
     assert record.status == "Stopping" and record.failure_reason == "stopped by user (dtrain stop)"
     assert len(live_instances(aws["ec2"])) == 2
-    record = launcher.status(record)  # terminates what the interrupted stop left running
+    record = target.status(record)  # terminates what the interrupted stop left running
     assert live_instances(aws["ec2"]) == []
-    record = launcher.status(record)
+    record = target.status(record)
     assert record.status == "Stopped" and record.failure_reason == "stopped by user (dtrain stop)"
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
 
@@ -373,26 +367,28 @@ def test_each_resource_of_a_launch_carries_its_launch_time(aws):
     from datetime import datetime, timezone
 
     at = datetime(2025, 3, 4, 5, 6, 7, tzinfo=timezone.utc)
-    launcher = launcher_for(aws, assume_yes=True, clock=lambda: at)
-    record = launcher.submit(p4d_request(launcher, aws))
-    launches = res.find_launches(aws["ec2"])
+    target = ec2_target(aws, assume_yes=True, clock=lambda: at)
+    record = target.submit()
+    launches = gc.find_launches(aws["ec2"])
     launch = launches[record.target_data["launch_token"]]
     assert launch.started() == at
     tagged = [*launch.instances, *launch.security_groups, *launch.placement_groups]
     assert len(tagged) == 4
-    assert {res.tag_map(r)[req.TAG_LAUNCHED_AT] for r in tagged} == {"2025-03-04T05:06:07Z"}
+    assert {tags.tag_map(r)[tags.TAG_LAUNCHED_AT] for r in tagged} == {"2025-03-04T05:06:07Z"}
 
 
 # ---------------------------------------------------------------- a launcher that died
 
 KILLED_LAUNCHER = """
 import pathlib, sys, time
-from dtrain.launcher.ec2.launcher import Ec2Launcher
-from dtrain.planning.planner import plan
+from dtrain.jobs import api
+from dtrain.jobs.store import new_job_id
+from dtrain.launcher import aws
+from dtrain.launcher.base import JobIdentity
 from dtrain.spec.model import JobSpec
 
 example, marker, job, *overrides = sys.argv[1:]
-launcher = Ec2Launcher(region="us-east-1", assume_yes=True)
+ec2 = aws.make_client("ec2", region="us-east-1")
 calls = []
 
 def slow_second_node(**_):  # EC2 is slow to answer for node 2; the launcher is killed meanwhile
@@ -401,9 +397,10 @@ def slow_second_node(**_):  # EC2 is slow to answer for node 2; the launcher is 
         pathlib.Path(marker).write_text("node 1 launched")
         time.sleep(600)
 
-launcher.client("ec2").meta.events.register("before-call.ec2.RunInstances", slow_second_node)
+ec2.meta.events.register("before-call.ec2.RunInstances", slow_second_node)
 spec = JobSpec.from_file(example, overrides=overrides)
-launcher.submit(launcher.build_request(plan(spec), job_name=job))
+api.submit(spec, wait=False, job=JobIdentity(new_job_id(), job, time.time()),
+           clients={"ec2_client": ec2, "region": "us-east-1", "assume_yes": True})
 """
 
 
@@ -430,14 +427,11 @@ def moto_server(monkeypatch):
 @pytest.mark.parametrize("then", ["status", "stop"])
 def test_a_launcher_killed_before_its_nodes_were_launched_leaves_a_record_that_ends(
         moto_server, tmp_path, then):
-    import io
     import os
     import signal
     import subprocess
     import sys
     import time
-
-    from dtrain.launcher.ec2.launcher import Ec2Launcher
 
     ec2 = boto3.client("ec2", region_name=REGION)
     s3 = boto3.client("s3", region_name=REGION)
@@ -462,18 +456,17 @@ def test_a_launcher_killed_before_its_nodes_were_launched_leaves_a_record_that_e
     record = JobStore().find(ec2_test.JOB)
     assert record.status == "Pending" and len(live_instances(ec2)) == 1
     ec2_test.PlacementGroups(ec2.meta.events)  # answers DescribePlacementGroups (none tagged)
-    launcher = Ec2Launcher(ec2_client=ec2, s3_client=s3, region=REGION, stream=io.StringIO(),
-                           sleep=lambda s: None)
+    target = Ec2(ec2_client=ec2, s3_client=s3)
     if then == "status":
-        record = launcher.status(record)
+        record = target.status(record)
         assert record.status == "Failed"
         assert record.failure_reason.startswith(
             f"launch interrupted: the process that launched it (pid {launch.pid} on ")
         assert live_instances(ec2) == []
-        record = launcher.status(record)  # the node has terminated: now the group goes
+        record = target.status(record)  # the node has terminated: now the group goes
     else:
-        record = launcher.stop(record)
+        record = target.stop(record)
         assert record.status == "Stopped" and record.failure_reason.startswith("stopped by user")
     assert live_instances(ec2) == [] and dtrain_groups(ec2) == []
     assert record.target_data["cleanup"]["state"] == "done"
-    assert launcher.status(record) == record  # it stays ended
+    assert target.status(record) == record  # it stays ended

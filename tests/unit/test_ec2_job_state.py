@@ -7,7 +7,7 @@ or a peer got SIGTERM and the workers stopped after a checkpoint), with the node
 
 from __future__ import annotations
 
-from dtrain.launcher.ec2.resources import FAILED_PEER_GRACE_S, job_state, peer_grace
+from dtrain.launcher.ec2.nodes import FAILED_PEER_GRACE_S, job_state, peer_grace
 
 LINE = ("interrupted: training stopped at step 1200 after a checkpoint because a host received "
         "SIGTERM; resubmit to resume from s3://b/dtrain/job/checkpoints/step-001200")

@@ -6,14 +6,18 @@ Regenerate the golden files after an intended change with
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 import pytest
 from dtrain.core.errors import SpecError
-from dtrain.launcher.ec2 import launcher as ec2
+from dtrain.launcher import aws, packaging
+from dtrain.launcher.base import JobIdentity, Request, Upload
 from dtrain.launcher.ec2 import requests as req
+from dtrain.launcher.ec2.launcher import Ec2Launcher
+from dtrain.launcher.ec2.tags import TAG_NODE_RANK
 from dtrain.planning.planner import plan
 from dtrain.spec.model import JobSpec
 
@@ -21,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ec2-p4d.yaml"
 GOLDEN = ROOT / "tests" / "golden"
 JOB = "pythia-1b-ec2-20250101-000000"
+IDENTITY = JobIdentity(id="0123456789ab", name=JOB, submitted_at=1735689600.0)
 P5_OVERRIDES = [
     "compute.instance_type=p5.48xlarge", "compute.instance_count=2",
     "ec2.ami=ami-0123456789abcdef0", "ec2.subnet_id=null", "ec2.ssh_cidr=203.0.113.7/32",
@@ -35,9 +40,20 @@ def _dtrain_home(tmp_path, monkeypatch):
     monkeypatch.setenv("DTRAIN_HOME", str(tmp_path / "home"))
 
 
-def build(overrides=(), job=JOB):
-    return req.build_request(plan(JobSpec.from_file(EXAMPLE, overrides=list(overrides))),
-                             job_name=job)
+def request(overrides=(), job=JOB) -> Request:
+    spec = JobSpec.from_file(EXAMPLE, overrides=list(overrides))
+    return Ec2Launcher().build_request(spec, plan(spec), dataclasses.replace(IDENTITY, name=job))
+
+
+def build(overrides=(), job=JOB) -> dict:
+    """The request's payload: every EC2 call."""
+    return request(overrides, job).payload
+
+
+def golden_text(built: Request) -> str:
+    """The request as --dry-run prints it, with this checkout's path (the source folder to
+    pack) written as <repo>."""
+    return json.dumps(built.to_dict(), indent=2).replace(str(ROOT), "<repo>")
 
 
 def job_config(user_data: str) -> dict:
@@ -48,11 +64,23 @@ def job_config(user_data: str) -> dict:
 
 @pytest.mark.parametrize("name,overrides", [("p4d", []), ("p5", P5_OVERRIDES)])
 def test_request_set_matches_golden(name, overrides):
-    request = build(overrides)
     path = GOLDEN / f"ec2_{name}.json"
     if os.environ.get("DTRAIN_UPDATE_GOLDEN"):
-        path.write_text(ec2.dumps(request) + "\n")
-    assert json.loads(path.read_text()) == json.loads(ec2.dumps(request))
+        path.write_text(golden_text(request(overrides)) + "\n")
+    assert json.loads(path.read_text()) == json.loads(golden_text(request(overrides)))
+
+
+def test_uploads_are_the_source_archive_and_the_wheel_the_user_data_installs():
+    built = request()
+    prefix = built.payload["prefix"]
+    assert built.uploads == (
+        Upload(str(ROOT / "examples" / "sagemaker_src"),
+                         f"{prefix}/source/{packaging.SOURCE_ARCHIVE}"),
+        Upload(packaging.WHEEL, f"{prefix}/source/{packaging.wheel_name()}"))
+    assert f"WHEEL_URI='{built.uploads[1].uri}'" in built.payload["run_instances"][0]["UserData"]
+    recipe = request(["entry_point=recipe:causal_lm", "source_dir=null"])
+    assert [u.source for u in recipe.uploads] == [packaging.WHEEL]
+    assert job_config(recipe.payload["run_instances"][0]["UserData"])["source"] is None
 
 
 def test_p4d_nodes_get_four_efa_interfaces_one_per_network_card():
@@ -100,8 +128,8 @@ def test_every_node_requires_imdsv2_terminates_on_shutdown_and_is_tagged():
         assert node["BlockDeviceMappings"][0]["Ebs"]["VolumeSize"] == 500
         for spec in node["TagSpecifications"]:
             tags = {t["Key"]: t["Value"] for t in spec["Tags"]}
-            assert tags[req.TAG_JOB] == JOB and tags[req.TAG_CREATED_BY] == "dtrain"
-            assert tags[req.TAG_NODE_RANK] == str(rank) and tags["team"] == "ml-platform"
+            assert tags[aws.TAG_JOB] == JOB and tags[aws.TAG_CREATED_BY] == "dtrain"
+            assert tags[TAG_NODE_RANK] == str(rank) and tags["team"] == "ml-platform"
         assert "InstanceMarketOptions" not in node
 
 
@@ -111,7 +139,7 @@ def test_user_data_carries_the_rank_the_wheel_and_the_job_config():
         text = node["UserData"]
         assert text.startswith("#!/bin/bash\n")
         assert f"export DTRAIN_NODE_RANK={rank}\n" in text
-        assert f"{request['prefix']}/source/{req.WHEEL_NAME}" in text
+        assert f"{request['prefix']}/source/{packaging.wheel_name()}" in text
         assert "shutdown -h +735 " in text  # 12 h max_run + 15 min margin, in minutes
         config = job_config(text)
         assert config["num_nodes"] == 2 and config["settings"]["processes_per_host"] == 8
@@ -140,10 +168,15 @@ def test_spot_uses_one_time_spot_market_options():
         "terminate"
 
 
-def test_spot_with_capacity_block_is_refused_with_the_fix():
-    with pytest.raises(SpecError, match="use_spot"):
-        build(["compute.use_spot=true", "ec2.capacity_reservation_id=cr-1",
-               "ec2.capacity_block=true"])
+@pytest.mark.xfail(strict=True, reason="the rule moves from the EC2 request builder to "
+                   "dtrain.spec.rules.ec2; drop this mark once it is there")
+def test_spot_with_capacity_block_is_refused_by_validation_with_the_fix():
+    # validation owns the rule (dtrain submit --dry-run says it too): no request is built
+    with pytest.raises(SpecError, match="use_spot") as caught:
+        JobSpec.from_file(EXAMPLE, overrides=["compute.use_spot=true",
+                                              "ec2.capacity_reservation_id=cr-1",
+                                              "ec2.capacity_block=true"])
+    assert "capacity_block" in str(caught.value)
 
 
 def test_ami_auto_is_a_documented_ssm_lookup_not_a_call():
@@ -156,8 +189,8 @@ def test_cost_line_and_confirmation_threshold():
     request = build()
     assert req.cost_line(request["cost"]) == (
         "cost: 2 × p4d.24xlarge × $32.77/h × 12 h max_run = up to $786.54")
-    assert ec2.needs_confirmation(request)
-    assert not ec2.needs_confirmation(build(["ec2.confirm_above_usd=1000"]))
+    assert req.needs_confirmation(request["cost"])
+    assert not req.needs_confirmation(build(["ec2.confirm_above_usd=1000"])["cost"])
 
 
 def test_user_data_over_the_ec2_limit_is_a_one_line_spec_error():
@@ -169,4 +202,10 @@ def test_build_request_is_pure(monkeypatch):
     import boto3
 
     monkeypatch.setattr(boto3, "client", lambda *a, **k: pytest.fail("no AWS client"))
-    assert build() == build()
+    launcher = Ec2Launcher()
+    before = dict(vars(launcher))
+    spec = JobSpec.from_file(EXAMPLE)
+    built = launcher.build_request(spec, plan(spec), IDENTITY)
+    assert built == launcher.build_request(spec, plan(spec), IDENTITY) == request()
+    assert vars(launcher) == before  # nothing kept for submit: the request is all it gets
+    assert built.job == IDENTITY and JOB in built.payload["prefix"]

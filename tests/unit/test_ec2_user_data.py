@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from dtrain.launcher.ec2 import requests as req
+from dtrain.launcher import packaging
+from dtrain.launcher.ec2 import userdata
 from dtrain.planning.planner import plan
 from dtrain.spec.model import JobSpec
 
@@ -29,7 +30,7 @@ def _stub(folder: Path, name: str, body: str) -> None:
 def run_user_data(tmp_path, *, aws_exit=0):
     spec = JobSpec.from_file(ROOT / "examples" / "ec2-p4d.yaml", overrides=["ec2.subnet_id=s-1"])
     script = tmp_path / "user-data.sh"
-    script.write_text(req.render_user_data(plan(spec), "job-1", 1))
+    script.write_text(userdata.render(spec, plan(spec), job_name="job-1", rank=1))
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     _stub(bin_dir, "aws", f'echo "aws $*" >> {calls}; exit {aws_exit}\n')
@@ -45,9 +46,10 @@ def run_user_data(tmp_path, *, aws_exit=0):
 def test_user_data_installs_runs_the_bootstrap_and_powers_off(tmp_path):
     calls, work = run_user_data(tmp_path)
     assert calls[0] == 'shutdown -h +735 dtrain: max_run reached'
+    wheel = packaging.wheel_name()
     assert calls[1].startswith("aws s3 cp --only-show-errors s3://dtrain-example-bucket/dtrain/"
-                               f"job-1/source/{req.WHEEL_NAME} ")
-    assert calls[2] == f"python -m pip install --quiet {work}/{req.WHEEL_NAME}"
+                               f"job-1/source/{wheel} ")
+    assert calls[2] == f"python -m pip install --quiet {work}/{wheel}"
     assert calls[3] == (f"python -m dtrain.launcher.ec2.node.bootstrap --config {work}/job.json "
                         f"--rank 1 --work-dir {work}")
     assert calls[-1] == "shutdown -h now dtrain: node finished"

@@ -1,0 +1,139 @@
+"""``Ec2Launcher.submit``'s work: lookups, uploads, groups, then one node at a time.
+
+The launch is recorded first (its token and prefix; ``submit`` recorded the launching process),
+so a launcher killed outright leaves a record ``status`` can end, and `dtrain ec2 gc` on this
+machine knows the launch is under way. Before the groups and before each node the launch reads the record again: a
+`dtrain stop` meanwhile (or another client that gave the launch up) makes it roll back. Any
+failure after the first resource exists — ``InsufficientInstanceCapacity`` on node 2, Ctrl-C,
+anything — terminates every node launched and deletes what was created, records the job Failed
+(Stopped after a stop) with what is left, and raises one line saying what to try.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+from typing import IO, Any
+
+from dtrain.core.errors import DtrainError
+from dtrain.core.states import FAILED, PENDING, STARTING, STOPPED, STOPPING
+from dtrain.launcher import aws, packaging
+from dtrain.launcher.base import Handle, Journal, Request, Update
+from dtrain.launcher.ec2 import cleanup, placeholders
+from dtrain.launcher.ec2 import resources as res
+from dtrain.launcher.ec2.state import Ec2State
+from dtrain.launcher.ec2.tags import LAUNCHED_AT_FORMAT
+
+CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacityOnHost",
+                  "InsufficientReservedInstanceCapacity", "SpotMaxPriceTooLow",
+                  "InsufficientCapacity", "ReservationCapacityExceeded")
+QUOTA_CODES = ("VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded")
+
+
+class Launch:
+    """One submission: its clients, where it says what it does, and what it created so far."""
+
+    def __init__(self, request: Request, journal: Journal, *, region: str | None, ec2: Any,
+                 s3: Any, ssm: Any, out: IO[str], now: datetime) -> None:
+        self.request, self.journal = request, journal
+        self.region, self.ec2, self.s3, self.ssm, self.out = region, ec2, s3, ssm, out
+        self.now = now
+        self.created = res.Created(job=request.job.name)
+
+    def run(self, *, sleep: Callable[[float], None]) -> Handle:
+        payload = self.request.payload
+        values = {"launch_token": uuid.uuid4().hex[:16],
+                  "launched_at": self.now.strftime(LAUNCHED_AT_FORMAT)}
+        prefix = payload["prefix"]
+        self.journal.record(Update(
+            log_location=f"{prefix}/logs/", output_location=f"{prefix}/model/",
+            state=Ec2State.changes(region=self.region, prefix=prefix,
+                                   launch_token=values["launch_token"],
+                                   launched_at=values["launched_at"],
+                                   num_nodes=len(payload["run_instances"]))))
+        try:
+            self._check_not_stopped()  # e.g. `dtrain stop` while the cost question was open
+            values.update(self._lookups(payload["lookups"]))
+            packaging.upload_all(self.s3, self.request.uploads, stream=self.out,
+                                 uploaded=self.created.uploads)
+            facts = self._launch(placeholders.fill(payload, values), values)
+        except BaseException as exc:  # noqa: BLE001 - Ctrl-C mid-launch must not leak nodes
+            left = res.rollback(self.ec2, self.s3, self.created, sleep=sleep)
+            error = self._error(exc, left)
+            status = STOPPED if self.journal.current().status == STOPPING else FAILED
+            self.journal.record(Update(
+                status=status,
+                failure_reason=str(error) or f"launch interrupted ({type(exc).__name__})",
+                state=Ec2State.changes(cleanup=cleanup.after_teardown(
+                    self.created, left, now=self.now.timestamp()))))
+            raise error from None
+        return self.journal.record(Update(status=STARTING, state=Ec2State.changes(**facts)))
+
+    def _lookups(self, lookups: dict[str, Any]) -> dict[str, str]:
+        values = {"ami_id": res.resolve_ami(self.ssm, lookups["ami_id"])}
+        values["root_device"] = res.resolve_root_device(self.ec2, lookups["root_device"],
+                                                        values["ami_id"])
+        values["subnet_id"], values["vpc_id"] = res.resolve_subnet(self.ec2,
+                                                                    lookups["subnet_id"])
+        return values
+
+    def _check_not_stopped(self) -> None:
+        """The launch goes on only while the record says Pending."""
+        now = self.journal.current().status
+        if now in (STOPPING, STOPPED):
+            raise DtrainError("stopped by `dtrain stop` while launching")
+        if now != PENDING:
+            raise DtrainError(f"launch given up: the job was recorded {now} meanwhile")
+
+    def _launch(self, payload: dict[str, Any], values: dict[str, str]) -> dict[str, Any]:
+        """Groups, then one node at a time; returns what the record keeps of them."""
+        ec2, created = self.ec2, self.created
+        self._check_not_stopped()
+        group = payload["placement_group"]
+        if group["create"]:
+            ec2.create_placement_group(**group["CreatePlacementGroup"])
+            created.placement_groups.append(group["GroupName"])
+        sg = payload["security_group"]
+        group_id = ec2.create_security_group(**sg["CreateSecurityGroup"])["GroupId"]
+        created.security_groups.append(group_id)
+        rules = placeholders.fill(sg, {"security_group_id": group_id})
+        ec2.authorize_security_group_ingress(**rules["AuthorizeSecurityGroupIngress"])
+        ec2.authorize_security_group_egress(**rules["AuthorizeSecurityGroupEgress"])
+        nodes = payload["run_instances"]
+        for rank, node in enumerate(nodes):
+            self._check_not_stopped()
+            node = placeholders.fill(node, {"security_group_id": group_id})
+            self.out.write(f"launching node {rank + 1}/{len(nodes)} ({node['InstanceType']})\n")
+            created.instances.append(ec2.run_instances(**node)["Instances"][0]["InstanceId"])
+        self._check_not_stopped()
+        return {"instance_ids": list(created.instances), "subnet_id": values["subnet_id"],
+                "security_group_id": group_id, "placement_group": group["GroupName"],
+                "created_placement_group": group["create"], "uploads": list(created.uploads)}
+
+    def _error(self, exc: BaseException, left: list[str]) -> BaseException:
+        """The one line the user sees: what failed, what became of the nodes, what to try."""
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        nodes = self.request.payload["run_instances"]
+        done = (f"launched {len(self.created.instances)} of {len(nodes)} nodes, all terminated"
+                if self.created.instances else "no node was launched")
+        left_line = "" if not left else \
+            f"; could not remove {', '.join(left)}: run `dtrain ec2 gc`"
+        code = aws.error_code(exc)
+        what = f"{len(nodes)} × {nodes[0]['InstanceType']}"
+        if code in CAPACITY_CODES:
+            return DtrainError(
+                f"EC2 has no capacity for {what} ({code}; {done}){left_line}; try another AZ "
+                "(ec2.subnet_id), a capacity reservation (ec2.capacity_reservation_id), or "
+                "fewer nodes (compute.instance_count)")
+        if code in QUOTA_CODES:
+            return DtrainError(
+                f"EC2 quota reached for {what} ({code}; {done}){left_line}; raise the 'Running "
+                "On-Demand P instances' (or spot) vCPU quota in Service Quotas")
+        if isinstance(exc, DtrainError):
+            return DtrainError(f"{exc} ({done}){left_line}")
+        if code is None:
+            return DtrainError(f"EC2 launch failed: {type(exc).__name__}: {exc} ({done})"
+                               f"{left_line}")
+        return DtrainError(f"{aws.as_dtrain_error(exc, 'EC2 launch')} ({done}){left_line}")

@@ -1,0 +1,67 @@
+"""An EC2 job's log lines, read from ``{prefix}/logs/<host>/`` in the ``logformat`` format.
+
+Each node uploads its log folder every 30 s while it runs and once more at the end, with the
+bootstrap's own log. A rank's log objects (``rank-<r>.stdout.log``, ``rank-<r>.stderr.log``,
+``.attempt-<n>`` for restarts) hold the worker's raw lines: they become ``[host r]:line``. Every
+other log object (``bootstrap.log``: the bootstrap and the node agent) gives ``[host] line``; the
+worker lines the agent echoes into it are left out there, since their rank's object has them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dtrain.core import logformat
+from dtrain.core import s3 as s3_uri
+from dtrain.launcher.ec2 import layout
+
+_RANK_LOG = re.compile(r"^rank-(\d+)\.(?:.+\.)?log$")
+
+
+@dataclass(frozen=True)
+class LogObject:
+    key: str
+    size: int
+    host: str
+    rank: int | None  # None: the bootstrap's or the agent's log
+
+
+def log_objects(s3: Any, prefix: str, *, host: str | None = None,
+                rank: int | None = None) -> list[LogObject]:
+    """The job's ``.log`` objects, by host and name; only ``host``'s / ``rank``'s if given."""
+    folder = layout.logs_folder(prefix)
+    bucket, root = s3_uri.split(folder)
+    found = []
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{root}/"):
+        for item in page.get("Contents", []):
+            node, _, name = item["Key"][len(root):].lstrip("/").partition("/")
+            match = _RANK_LOG.match(name)
+            if not name.endswith(".log") or host not in (None, node):
+                continue
+            found.append(LogObject(item["Key"], item["Size"], node,
+                                   int(match[1]) if match else None))
+    return sorted((o for o in found if rank is None or o.rank == rank), key=lambda o: o.key)
+
+
+def new_lines(s3: Any, prefix: str, seen: dict[str, int], *, host: str | None,
+              rank: int | None, final: bool) -> Iterator[str]:
+    """Lines added to the job's log objects since the last call (``seen``: bytes read of each).
+
+    A line still being written (no newline yet) waits for the next call, unless ``final``.
+    """
+    bucket, _ = s3_uri.split(prefix)
+    for obj in log_objects(s3, prefix, host=host, rank=rank):
+        start = seen.get(obj.key, 0)
+        if obj.size <= start:
+            continue
+        body = s3.get_object(Bucket=bucket, Key=obj.key, Range=f"bytes={start}-")["Body"].read()
+        end = len(body) if final else body.rfind(b"\n") + 1
+        seen[obj.key] = start + end
+        for text in body[:end].decode(errors="replace").splitlines():
+            if obj.rank is not None:
+                yield logformat.rank_line(obj.host, obj.rank, text)
+            elif logformat.rank_of(text) is None:
+                yield logformat.host_line(obj.host, text)
