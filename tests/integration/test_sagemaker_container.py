@@ -2,8 +2,9 @@
 
 What SageMaker would do is laid out under a temp ``DTRAIN_ROOT`` (the ``dtrain_code`` channel as
 S3 would deliver it, ``hyperparameters.json`` and ``resourceconfig.json`` as SageMaker writes
-them), then ``sagemaker_entry.sh`` runs in a fresh virtual environment that has torch (from the
-system site-packages) but not this checkout's dtrain, so the runtime really comes from the wheel.
+them), then ``sagemaker_entry.sh`` runs in a fresh virtual environment that has torch (the test
+interpreter's site-packages, on its path) but not this checkout's dtrain, so the runtime really
+comes from the wheel. It works whether the tests run in a virtualenv or the system Python.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -28,6 +31,18 @@ from dtrain.core.metrics_format import format_metrics
 print("args", sys.argv[1:], flush=True)
 print(format_metrics(1, loss=1.5), flush=True)
 """
+
+
+def make_venv_with_this_interpreters_packages(env_dir: Path) -> None:
+    """A venv that sees the running interpreter's site-packages (torch) through a .pth path
+    line. ``system_site_packages`` would give the base interpreter's, which inside a virtualenv
+    has no torch; and a path line, unlike a site dir, runs none of that folder's .pth files, so
+    this checkout's editable dtrain stays invisible."""
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = env_dir / "lib" / version / "site-packages"
+    paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (site / "parent-site-packages.pth").write_text("\n".join(paths) + "\n")
 
 
 @pytest.mark.slow
@@ -49,7 +64,7 @@ def test_entry_script_installs_the_wheel_and_runs_the_user_script(tmp_path):
     hps = {"epochs": 2, "sagemaker_program": "train.py", **settings.to_hyperparameters()}
     (config / "hyperparameters.json").write_text(json.dumps(contract.encode_hyperparameters(hps)))
 
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    make_venv_with_this_interpreters_packages(env_dir)
     bin_dir = env_dir / "bin"
     env = {**os.environ, "DTRAIN_ROOT": str(root), "PATH": f"{bin_dir}:{os.environ['PATH']}",
            "PYTHONNOUSERSITE": "1", "VIRTUAL_ENV": str(env_dir),

@@ -168,8 +168,6 @@ def test_spot_uses_one_time_spot_market_options():
         "terminate"
 
 
-@pytest.mark.xfail(strict=True, reason="the rule moves from the EC2 request builder to "
-                   "dtrain.spec.rules.ec2; drop this mark once it is there")
 def test_spot_with_capacity_block_is_refused_by_validation_with_the_fix():
     # validation owns the rule (dtrain submit --dry-run says it too): no request is built
     with pytest.raises(SpecError, match="use_spot") as caught:
@@ -193,9 +191,19 @@ def test_cost_line_and_confirmation_threshold():
     assert not req.needs_confirmation(build(["ec2.confirm_above_usd=1000"])["cost"])
 
 
-def test_user_data_over_the_ec2_limit_is_a_one_line_spec_error():
-    with pytest.raises(SpecError, match="user-data limit"):
+def test_values_too_large_for_the_user_data_are_refused_by_validation_and_at_the_budget_fit():
+    with pytest.raises(SpecError, match=r"^hyperparameters / environment / inputs: 20262 bytes "
+                                        r"as JSON, over the 10240 .* input channel$"):
         build(["hyperparameters.blob=" + "x" * 20000])
+    from dtrain.spec.rules.ec2 import USER_VALUES_BUDGET
+
+    base = len(json.dumps({"hyperparameters": JobSpec.from_file(EXAMPLE).hyperparameters,
+                           "environment": {"NCCL_DEBUG": "WARN"}, "inputs": {}}, indent=1))
+    longest = "n" * 63  # the longest job name a target makes
+    at_budget = request(["hyperparameters.blob=" + "x" * (USER_VALUES_BUDGET - base - 400)],
+                        job=longest).payload
+    assert all(len(node["UserData"].encode()) <= 16 * 1024
+               for node in at_budget["run_instances"])
 
 
 def test_build_request_is_pure(monkeypatch):

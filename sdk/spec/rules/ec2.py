@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 from dtrain.spec.rules.common import Findings, cloud_paths
 from dtrain.spec.rules.sagemaker import image_torch
+
+# The node bootstrap carries the job's settings in EC2 user data (16 KiB raw); its fixed part
+# and dtrain's own settings take under 6 KiB, so the user's values get the rest.
+USER_VALUES_BUDGET = 10 * 1024
 
 
 def ec2_settings(spec, ctx: Findings) -> None:
@@ -12,8 +18,29 @@ def ec2_settings(spec, ctx: Findings) -> None:
         ctx.problems.append(
             "ec2.capacity_block: needs ec2.capacity_reservation_id (the capacity block's id)"
         )
+    if ec2.capacity_block and spec.compute.use_spot:
+        ctx.problems.append(
+            "compute.use_spot: a capacity block is already reserved capacity; set use_spot: "
+            "false or drop ec2.capacity_block"
+        )
+    if not spec.compute.instance.is_local and not spec.compute.instance.on_ec2:
+        ctx.problems.append(
+            f"compute.instance_type: {spec.compute.instance.name!r} has no EC2 offering; pick "
+            "an EC2 instance type such as p4d.24xlarge"
+        )
     if ec2.ssh_cidr is not None and ec2.ssh_cidr.endswith("/0"):
         ctx.notes.append(f"ec2.ssh_cidr: {ec2.ssh_cidr} opens SSH to the whole internet")
+
+
+def user_values_fit_the_bootstrap(spec, ctx: Findings) -> None:
+    size = len(json.dumps({"hyperparameters": spec.hyperparameters,
+                           "environment": spec.environment, "inputs": spec.inputs}, indent=1))
+    if size > USER_VALUES_BUDGET:
+        ctx.problems.append(
+            f"hyperparameters / environment / inputs: {size} bytes as JSON, over the "
+            f"{USER_VALUES_BUDGET} the EC2 node bootstrap's user data has room for; move large "
+            "values into an input channel"
+        )
 
 
 def image_runs_the_runtime(spec, ctx: Findings) -> None:
@@ -21,4 +48,4 @@ def image_runs_the_runtime(spec, ctx: Findings) -> None:
         image_torch(ctx, "ec2.image_uri", spec.ec2.image_uri)
 
 
-RULES = (ec2_settings, image_runs_the_runtime, cloud_paths)
+RULES = (ec2_settings, user_values_fit_the_bootstrap, image_runs_the_runtime, cloud_paths)
