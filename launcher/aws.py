@@ -86,7 +86,6 @@ class AwsBackend:
         self.stream = stream
         self.clock = clock
         self.sleep = sleep
-        self._plans: dict[str, Any] = {}  # job name -> plan, for submit's uploads
 
     def client(self, service: str) -> Any:
         if self._clients.get(service) is None:

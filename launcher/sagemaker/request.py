@@ -22,8 +22,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from dtrain import __version__
-from dtrain.core import contract, metrics_format, s3
+from dtrain.core import metrics_format, s3, toolkit
 from dtrain.launcher import aws, packaging
 from dtrain.launcher.base import Upload, runtime_settings
 
@@ -45,11 +44,6 @@ def instance_type_name(plan: Plan) -> str:
 def source_prefix(spec: JobSpec, job_name: str) -> str:
     """``{output_path}/{job_name}/source`` where the archive, wheel and entry script go."""
     return s3.join(spec.output_path, job_name, "source")
-
-
-def wheel_name() -> str:
-    """The file name ``packaging.build_runtime_wheel`` gives the wheel (the entry script's glob)."""
-    return f"dtrain-{__version__}-py3-none-any.whl"
 
 
 def entry_script_path() -> str:
@@ -78,7 +72,7 @@ def packs_source(spec: JobSpec) -> bool:
 def uploads(spec: JobSpec, job_name: str) -> tuple[Upload, ...]:
     """What ``submit`` puts under the code channel's prefix before it creates the job."""
     prefix = source_prefix(spec, job_name)
-    files = [Upload(packaging.WHEEL, s3.join(prefix, wheel_name())),
+    files = [Upload(packaging.WHEEL, s3.join(prefix, packaging.wheel_name())),
              Upload(packaging.SAGEMAKER_ENTRY_SCRIPT, s3.join(prefix, ENTRY_SCRIPT))]
     if packs_source(spec):
         files.insert(0, Upload(spec.source_dir, s3.join(prefix, packaging.SOURCE_ARCHIVE)))
@@ -142,7 +136,7 @@ def hyperparameters(spec: JobSpec, plan: Plan, *, job_name: str,
     if region:
         framework["sagemaker_region"] = region
     values = {**spec.hyperparameters, **framework, **settings.to_hyperparameters()}
-    return contract.encode_hyperparameters(dict(sorted(values.items())))
+    return toolkit.encode_hyperparameters(dict(sorted(values.items())))
 
 
 def region_of(payload: dict[str, Any]) -> str | None:

@@ -21,10 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtrain.core import toolkit
-from dtrain.core.toolkit import (  # noqa: F401 - TODO(relayout): callers move to toolkit
-    decode_hyperparameters,
-    encode_hyperparameters,
-)
 
 DEFAULT_ROOT = "/opt/ml"
 ROOT_ENV = "DTRAIN_ROOT"

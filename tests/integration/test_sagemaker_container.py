@@ -19,7 +19,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from dtrain.core import contract
+from dtrain.core import contract, toolkit
 from dtrain.launcher import packaging
 from dtrain.launcher.sagemaker.launcher import entry_script_text
 from dtrain.testing import free_port
@@ -62,7 +62,7 @@ def test_entry_script_installs_the_wheel_and_runs_the_user_script(tmp_path):
     settings = contract.Settings(entry_point="train.py", job_name="j", instance_type="local",
                                  processes_per_host=1, distribution={"backend": "gloo"})
     hps = {"epochs": 2, "sagemaker_program": "train.py", **settings.to_hyperparameters()}
-    (config / "hyperparameters.json").write_text(json.dumps(contract.encode_hyperparameters(hps)))
+    (config / "hyperparameters.json").write_text(json.dumps(toolkit.encode_hyperparameters(hps)))
 
     make_venv_with_this_interpreters_packages(env_dir)
     bin_dir = env_dir / "bin"

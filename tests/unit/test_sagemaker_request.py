@@ -201,9 +201,9 @@ def test_code_arrives_as_a_file_mode_channel_and_the_entry_script_starts_the_age
 
 
 def test_dtrain_settings_decode_with_the_container_contract():
-    from dtrain.core import contract
+    from dtrain.core import contract, toolkit
 
-    decoded = contract.decode_hyperparameters(build(example_spec())["HyperParameters"])
+    decoded = toolkit.decode_hyperparameters(build(example_spec())["HyperParameters"])
     settings = contract.Settings.from_hyperparameters(
         {k: v for k, v in decoded.items() if k.startswith("dtrain_")})
     assert settings.entry_point == "train.py"
