@@ -71,20 +71,27 @@ def _finish(record: Any, output: str) -> None:
 
 
 def _dry_run(spec: Any, output: str) -> None:
-    """The resolved plan, then the exact request the target's backend would send."""
+    """The resolved plan, the exact request the target's backend would send, and the files
+    each source folder it uploads would pack (and the ones left out as secrets)."""
     from dtrain.jobs import api as jobs
     from dtrain.planning.planner import plan
 
     resolved = plan(spec)
-    request = jobs.build_request(spec).to_dict()
+    request = jobs.build_request(spec)
+    packed = jobs.packed_sources(request)
     if output == "json":
-        echo_json({"plan": resolved.to_dict(), "request": request})
+        echo_json({"plan": resolved.to_dict(), "request": request.to_dict(), "packed": packed})
         return
     from dtrain.planning.report import render_plan
 
     click.echo(render_plan(resolved))
     click.echo(f"\nrequest ({spec.compute.target}):")
-    echo_json(request)
+    echo_json(request.to_dict())
+    for folder, listing in packed.items():
+        click.echo(f"\npacked from {folder} ({len(listing['files'])} files): "
+                   + ", ".join(listing["files"]))
+        if listing["secrets"]:
+            click.echo("not packed, they look like secrets: " + ", ".join(listing["secrets"]))
 
 
 def _submit_clients(spec: Any, yes: bool) -> dict[str, Any] | None:

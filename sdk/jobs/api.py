@@ -98,6 +98,19 @@ def build_request(spec: JobSpec, *, clients: dict[str, Any] | None = None,
     return launcher.build_request(spec, plan(spec), job or identity(spec, launcher))
 
 
+def packed_sources(request: Request) -> dict[str, dict[str, list[str]]]:
+    """For each source folder the request uploads: the files it packs and the secrets it
+    leaves out (what ``submit`` would put in S3, listed without packing anything)."""
+    from dtrain.launcher import packaging
+
+    out = {}
+    for upload in request.uploads:
+        if upload.source not in (packaging.WHEEL, packaging.SAGEMAKER_ENTRY_SCRIPT):
+            files, secrets = packaging.list_source_files(upload.source)
+            out[upload.source] = {"files": files, "secrets": secrets}
+    return out
+
+
 def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: bool = False,
            store: JobStore | None = None, clients: dict[str, Any] | None = None,
            on_line: Callable[[str], None] | None = None,

@@ -130,3 +130,19 @@ def test_unknown_instance_types_suggest_only_their_own_family(tmp_path):
     assert far.returncode == 2 and "did you mean" not in far.stderr
     near = dtrain("validate", str(spec), "--set", "compute.instance_type=p4d.12xlarge")
     assert "did you mean 'p4d.24xlarge'?" in near.stderr
+
+
+def test_dry_run_lists_what_would_be_packed_and_the_secrets_left_out(tmp_path):
+    src = tmp_path / "src"
+    (src / "lib").mkdir(parents=True)
+    for rel in ("train.py", "lib/model.py", ".ENV"):
+        (src / rel).write_text("x")
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
+                           "sagemaker-p4d.yaml")
+    result = dtrain("submit", example, "--dry-run", "--set", f"source_dir={src}")
+    assert result.returncode == 0, result.stderr
+    assert f"packed from {src} (2 files): lib/model.py, train.py" in result.stdout
+    assert "not packed, they look like secrets: .ENV" in result.stdout
+    packed = json.loads(dtrain("submit", example, "--dry-run", "--set", f"source_dir={src}",
+                               "-o", "json").stdout)["packed"]
+    assert packed == {str(src): {"files": ["lib/model.py", "train.py"], "secrets": [".ENV"]}}

@@ -85,3 +85,40 @@ def test_upload_prints_one_line_when_not_a_terminal(tmp_path):
     assert out.getvalue() == "uploaded f.bin (2.0 KiB)\n"
     packaging.delete_objects(s3, ["s3://bucket/a/b/f.bin"])
     assert s3.calls[-1] == ("delete", "bucket", "a/b/f.bin")
+
+
+def test_ignore_rules_have_gits_semantics_at_every_level(tmp_path):
+    src = tree(tmp_path / "src", ["doc/a.txt", "doc/server/arch.txt", "sub/secret.txt",
+                                  "sub/keep.txt", "sub/deeper/secret.txt", "train.py"])
+    (src / ".gitignore").write_text("doc/*.txt\n")  # a slash anchors it: doc/ only, one level
+    (src / "sub" / ".gitignore").write_text("secret.txt\n")  # a nested file, read too
+    files, _ = packaging.list_source_files(src)
+    assert files == [".gitignore", "doc/server/arch.txt", "sub/.gitignore", "sub/keep.txt",
+                     "train.py"]
+
+
+def test_credential_files_are_recognised_broadly_and_case_insensitively(tmp_path):
+    secrets = [".ENV", "ID_RSA", "private.KEY", ".npmrc", ".docker/config.json", ".dockercfg",
+               ".kube/config", ".ssh/id_ed25519", "gcp/service-account.json", ".htpasswd",
+               "infra/terraform.tfstate", "deploy/secrets.yaml"]
+    src = tree(tmp_path / "src", ["train.py", ".docker/daemon.json", *secrets])
+    files, skipped = packaging.list_source_files(src)
+    assert files == [".docker/daemon.json", "train.py"]
+    assert skipped == sorted(s if s != ".ssh/id_ed25519" else ".ssh/" for s in secrets)
+
+
+def test_links_inside_the_folder_are_packed_as_links_and_links_out_are_refused(tmp_path):
+    src = tree(tmp_path / "src", ["train.py", "data/vocab.txt"])
+    (src / "vocab.txt").symlink_to(src / "data" / "vocab.txt")  # absolute, inside
+    (src / "assets").symlink_to("data")  # a folder, inside
+    packed = packaging.pack_source(src, tmp_path / "out")
+    with tarfile.open(packed.path) as tar:
+        assert tar.getmember("vocab.txt").issym() and \
+            tar.getmember("vocab.txt").linkname == "data/vocab.txt"
+        assert tar.getmember("assets").issym() and tar.getmember("assets").linkname == "data"
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("x")
+    (src / "escape.txt").symlink_to(outside)
+    with pytest.raises(DtrainError, match=r"^source_dir: escape.txt links to .*elsewhere.txt, "
+                                          r"outside the source folder"):
+        packaging.list_source_files(src)
