@@ -5,13 +5,14 @@ boto3 is imported inside functions so ``import dtrain.launcher.*`` stays cheap.
 
 from __future__ import annotations
 
-import os
+import re
 import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import IO, Any
 
+from dtrain.core.aws import region_of
 from dtrain.core.errors import DtrainError
 
 # Tags on everything dtrain creates, the same keys on every cloud target, so one tag query
@@ -34,9 +35,8 @@ USER_ERROR_CODES = {
 }
 
 
-def resolve_region(region: str | None = None) -> str | None:
-    """The region a spec asks for, else the environment's (boto3's own lookup order)."""
-    return region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+_HTML = re.compile(r"<\s*(!doctype|html|head|body)\b", re.IGNORECASE)
+_TAG = re.compile(r"<[^>]*>")
 
 
 def make_client(service: str, *, region: str | None = None) -> Any:
@@ -48,7 +48,7 @@ def make_client(service: str, *, region: str | None = None) -> Any:
     config = Config(retries={"mode": "adaptive", "max_attempts": 10},
                     user_agent_extra="dtrain")
     try:
-        return boto3.client(service, region_name=resolve_region(region), config=config)
+        return boto3.client(service, region_name=region_of(region), config=config)
     except (BotoCoreError, ValueError) as exc:  # NoRegionError, ProfileNotFound, a bad endpoint
         raise DtrainError(f"cannot create the AWS {service} client: {exc}; set sagemaker.region "
                           "or AWS_REGION, and AWS credentials") from None
@@ -69,6 +69,11 @@ def as_dtrain_error(exc: BaseException, action: str) -> DtrainError:
     if isinstance(response, dict):
         message = response.get("Error", {}).get("Message", "")
     message = " ".join((message or str(exc)).split())
+    if _HTML.search(message):  # an error page from a proxy or an emulator: never shown raw
+        status = (response or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") \
+            if isinstance(response, dict) else None
+        text = " ".join(_TAG.sub(" ", message).split())[:200]
+        message = f"the service answered with an HTML page (HTTP {status or '?'}): {text}"
     fix = USER_ERROR_CODES.get(code)
     return DtrainError(f"{action} failed: {code}: {message}" + (f"; {fix}" if fix else ""))
 

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -140,9 +139,7 @@ class PyTorch:
         """Submit the job; with ``wait``, stream its logs (``logs``) until it ends."""
         from dtrain.jobs import api as jobs
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # notes on ignored SMP keys: same as the SDK's
-            spec = self.to_spec(inputs)
+        spec = self.to_spec(inputs)  # its notes (SMP keys dtrain ignores) reach the user
         job = jobs.identity(spec, self._launcher_obj())
         if job_name:  # the SDK uses a given name as it is, without a timestamp
             job = dataclasses.replace(job, name=job_name)

@@ -442,3 +442,20 @@ def test_estimator_attach_by_name_to_a_job_started_elsewhere(submitted, capsys):
     attached.stop()
     assert calls == ["from-elsewhere"]
     assert [r.name for r in JobStore().list()] == [facts["job_name"]]  # nothing recorded
+
+
+def test_estimator_fit_tells_which_smp_keys_dtrain_ignores(moto_aws, tmp_path):  # noqa: F811
+    from dtrain.core.errors import SpecWarning
+    from dtrain.sagemaker import PyTorch
+
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+    estimator = PyTorch("train.py", str(make_source(tmp_path / "src")),
+                        role=moto_aws.role_arn, instance_type="ml.p4d.24xlarge",
+                        instance_count=2, output_path=f"s3://{BUCKET}/dtrain", image_uri="img:1",
+                        distribution={"smdistributed": {"modelparallel": {
+                            "enabled": True, "parameters": {"sharded_data_parallel_degree": 8,
+                                                            "placement_strategy": "cluster"}}}},
+                        clients={"sagemaker_client": moto_aws.client("sagemaker"),
+                                 "stream": io.StringIO()})
+    with pytest.warns(SpecWarning, match="placement_strategy is not used by dtrain"):
+        estimator.fit(f"s3://{BUCKET}/data/train", wait=False)
