@@ -76,7 +76,14 @@ def refresh(record: JobRecord, launcher: Launcher, store: JobStore) -> JobRecord
 
 # ---------------------------------------------------------------- submit
 
-def identity(spec: JobSpec, launcher: Launcher, *, now: float | None = None) -> JobIdentity:
+# A dry run's job identity: the id and the time in cloud job names are chosen at submit, so a
+# dry run shows these, and the same spec always prints the same request (diffable in review).
+DRY_RUN_ID = "dry-run"
+DRY_RUN_TIME = 0.0
+
+
+def identity(spec: JobSpec, launcher: Launcher, *, now: float | None = None,
+             job_id: str | None = None) -> JobIdentity:
     """The job's id, target name and submission time, chosen before the request is built."""
     from datetime import datetime, timezone
 
@@ -86,16 +93,17 @@ def identity(spec: JobSpec, launcher: Launcher, *, now: float | None = None) -> 
     name = spec.name
     if launcher.stamps_job_names:
         name = names.timestamped(spec.name, now=datetime.fromtimestamp(now, timezone.utc))
-    return JobIdentity(id=new_job_id(), name=name, submitted_at=now)
+    return JobIdentity(id=job_id or new_job_id(), name=name, submitted_at=now)
 
 
 def build_request(spec: JobSpec, *, clients: dict[str, Any] | None = None,
                   job: JobIdentity | None = None) -> Request:
-    """What ``submit`` would send (``--dry-run``)."""
+    """What ``submit`` would send (``--dry-run``); without ``job``, the dry run's identity."""
     from dtrain.planning.planner import plan
 
     launcher = launcher_for(spec.compute.target, clients)
-    return launcher.build_request(spec, plan(spec), job or identity(spec, launcher))
+    job = job or identity(spec, launcher, now=DRY_RUN_TIME, job_id=DRY_RUN_ID)
+    return launcher.build_request(spec, plan(spec), job)
 
 
 def packed_sources(request: Request) -> dict[str, dict[str, list[str]]]:
@@ -122,10 +130,10 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     """
     from dtrain.planning.planner import plan
 
+    if dry_run:
+        return build_request(spec, clients=clients, job=job)
     launcher = launcher_for(spec.compute.target, clients)
     request = launcher.build_request(spec, plan(spec), job or identity(spec, launcher))
-    if dry_run:
-        return request
     store = store or JobStore()
     record = store.create(job_id=request.job.id, name=request.job.name, target=launcher.name,
                           spec=spec.to_dict(), status=PENDING,
