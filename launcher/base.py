@@ -78,6 +78,9 @@ class TargetState:
     ``target_data``; unknown keys (written by another dtrain version) are ignored on read."""
 
     secondary_status: str | None = None  # finer than the status: "Training", "Interrupted"...
+    # where the job keeps its checkpoints (a folder or an S3 URI): a job submitted with this
+    # checkpoint.uri resumes from the newest complete one (`dtrain submit --resume`)
+    checkpoints: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> TargetState:

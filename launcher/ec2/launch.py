@@ -49,6 +49,7 @@ class Launch:
         self.journal.record(Update(
             log_location=f"{prefix}/logs/", output_location=f"{prefix}/model/",
             state=Ec2State.changes(region=self.region, prefix=prefix,
+                                   checkpoints=payload["checkpoints"],
                                    launch_token=values["launch_token"],
                                    launched_at=values["launched_at"],
                                    num_nodes=len(payload["run_instances"]))))

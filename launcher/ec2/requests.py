@@ -65,6 +65,8 @@ def payload(spec: JobSpec, plan: Plan, job_name: str) -> dict[str, Any]:
     return {
         "region": spec.ec2.region,
         "prefix": userdata.job_prefix(spec, job_name),
+        "checkpoints": layout.checkpoint_uri(userdata.job_prefix(spec, job_name),
+                                             spec.checkpoint.uri),
         "cost": cost_summary(spec, plan),
         "lookups": _lookups(spec),
         "placement_group": placement,

@@ -51,6 +51,12 @@ class LocalState(TargetState):
     agents: list[dict[str, Any]] = field(default_factory=list)  # of each node agent
 
 
+def checkpoint_folder(payload: dict[str, Any], job_dir: str) -> str:
+    """``checkpoint.uri`` (a folder: where the job keeps its checkpoints, as SageMaker syncs
+    ``checkpoint_s3_uri``), else the job folder's own."""
+    return payload.get("checkpoint_uri") or os.path.join(job_dir, "checkpoints")
+
+
 def jobs_folder() -> str:
     """``$DTRAIN_HOME/jobs``: where local jobs without an ``output_path`` live."""
     from dtrain.core.paths import dtrain_home
@@ -94,9 +100,12 @@ class LocalLauncher(Launcher):
         job_dir = os.path.abspath(os.path.join(payload["output_path"] or jobs_folder(),
                                                request.job.id))
         journal.record(Update(log_location=job_dir, output_location=job_dir,
-                              state=LocalState.changes(job_dir=job_dir, hosts=payload["hosts"])))
+                              state=LocalState.changes(job_dir=job_dir, hosts=payload["hosts"],
+                                                       checkpoints=checkpoint_folder(payload,
+                                                                                     job_dir))))
         try:
             os.makedirs(job_dir, exist_ok=False)
+            os.makedirs(checkpoint_folder(payload, job_dir), exist_ok=True)
             self._write_contracts(request, job_dir)
             monitor = self._start_monitor(job_dir)
         except DtrainError:
@@ -113,9 +122,9 @@ class LocalLauncher(Launcher):
             paths = contract.write_host_contract(
                 layout.host_root(job_dir, host), current_host=host, hosts=payload["hosts"],
                 settings=settings, hyperparameters=payload["hyperparameters"],
-                channels=sorted(staged), checkpoint_s3_uri=payload.get("checkpoint_uri"),
+                channels=sorted(staged),
                 # one folder for all simulated hosts: DCP writes each shard once, from one host
-                checkpoint_local_path=os.path.join(job_dir, "checkpoints"),
+                checkpoint_local_path=checkpoint_folder(payload, job_dir),
                 network_interface_name="lo")
             for channel, source in staged.items():
                 target = paths.channel_dir(channel)

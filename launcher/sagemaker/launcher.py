@@ -165,7 +165,8 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
             log_location=f"cloudwatch:{SAGEMAKER_LOG_GROUP}/{name}/",
             output_location=req.model_data_uri(output_path, name),
             state=SageMakerState.changes(training_job_name=name, region=region,
-                                         console_url=console_url(name, region))))
+                                         console_url=console_url(name, region),
+                                         checkpoints=payload["CheckpointConfig"]["S3Uri"])))
         s3_client = self.client_in("s3", region)
         self._check_bucket(s3_client, output_path)
         uploaded: list[str] = []

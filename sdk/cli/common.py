@@ -16,8 +16,10 @@ OUTPUT_OPTION = click.option(
 )
 
 
-def spec_options(func: Callable) -> Callable:
+def spec_options(func: Callable | None = None, *, required: bool = True) -> Callable:
     """SPEC argument plus --set and --target, in the same shape for every command."""
+    if func is None:
+        return lambda f: spec_options(f, required=required)
     func = click.option(
         "--target", type=click.Choice(["local", "sagemaker", "ec2"]), default=None,
         help="Override compute.target (same as --set compute.target=...).",
@@ -27,7 +29,8 @@ def spec_options(func: Callable) -> Callable:
         help="Override a spec field before validation, e.g. --set compute.instance_count=2 "
              "(value parsed as YAML; repeatable).",
     )(func)
-    return click.argument("spec_path", metavar="SPEC", type=click.Path(dir_okay=False))(func)
+    return click.argument("spec_path", metavar="SPEC" if required else "[SPEC]",
+                          type=click.Path(dir_okay=False), required=required)(func)
 
 
 def load_spec(spec_path: str, overrides: tuple[str, ...], target: str | None = None):

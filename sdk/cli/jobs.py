@@ -117,7 +117,10 @@ def _print_transition(record: Any) -> None:
 
 
 @click.command()
-@spec_options
+@spec_options(required=False)
+@click.option("--resume", "resume", metavar="JOB", default=None,
+              help="Continue JOB from its newest complete checkpoint: its own spec (or SPEC, "
+                   "on the same target) with checkpoint.uri set to where JOB kept them.")
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait for the job to end (and exit 1 unless it completed); on EC2, then up "
                    "to 5 min more until its nodes have terminated and its groups are removed.")
@@ -131,17 +134,25 @@ def _print_transition(record: Any) -> None:
               help="Ctrl-C while waiting stops the job (SIGTERM, so it checkpoints) instead of "
                    "leaving it running.")
 @OUTPUT_OPTION
-def submit(spec_path: str, overrides: tuple[str, ...], target: str | None, wait: bool,
-           follow: bool, dry_run: bool, yes: bool, stop_on_interrupt: bool, output: str) -> None:
+def submit(spec_path: str | None, overrides: tuple[str, ...], target: str | None,
+           resume: str | None, wait: bool, follow: bool, dry_run: bool, yes: bool,
+           stop_on_interrupt: bool, output: str) -> None:
     """Run a job spec on its target (this machine by default).
 
     Waiting (the default) or --follow ends with the job; Ctrl-C then only stops the waiting:
     the job keeps running, and dtrain says how to follow or stop it. With --stop-on-interrupt,
     Ctrl-C stops the job too.
     """
+    from dtrain.core.errors import SpecError
     from dtrain.jobs import api as jobs
 
-    spec = load_spec(spec_path, overrides, target)
+    if spec_path is None and resume is None:
+        raise SpecError("give a SPEC file, or --resume JOB to resubmit a job")
+    spec = load_spec(spec_path, overrides, target) if spec_path else None
+    if resume:
+        spec = jobs.resume_spec(resume, spec=spec, overrides=None if spec_path else
+                                [*overrides, *([f"compute.target={target}"] if target else [])])
+        click.echo(f"resuming {resume} from {spec.checkpoint.uri}", err=True)
     if dry_run:
         _dry_run(spec, output)
         return

@@ -155,6 +155,33 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     return store.get(record.id)
 
 
+def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] | None = None,
+                store: JobStore | None = None,
+                clients: dict[str, Any] | None = None) -> JobSpec:
+    """The spec to resubmit ``job`` with so it resumes from its newest complete checkpoint:
+    ``spec`` (default: the job's own) with ``checkpoint.uri`` set to where ``job`` kept its
+    checkpoints."""
+    from dtrain.core.errors import SpecError
+    from dtrain.spec.model import JobSpec
+
+    store = store or JobStore()
+    record = find(job, store=store)
+    launcher = launcher_for(record.target, clients)
+    location = handle_of(record, launcher).state.checkpoints
+    if not location:
+        raise DtrainError(f"job {record.id} recorded no checkpoint location (it never started, "
+                          "or an older dtrain submitted it); resubmit with --set "
+                          "checkpoint.uri=<where its checkpoints are>")
+    from dtrain.spec.io import apply_overrides
+
+    data = spec.to_dict() if spec is not None else apply_overrides(record.spec, overrides or [])
+    if data.get("compute", {}).get("target") != record.target:
+        raise SpecError(f"--resume {job}: the job ran on {record.target}, this spec targets "
+                        f"{data.get('compute', {}).get('target')}; resume on the same target")
+    data["checkpoint"] = {**data.get("checkpoint", {}), "uri": location}
+    return JobSpec.from_dict(data)
+
+
 # ---------------------------------------------------------------- after submission
 
 def find(job: str, *, store: JobStore | None = None,

@@ -146,3 +146,25 @@ def test_dry_run_lists_what_would_be_packed_and_the_secrets_left_out(tmp_path):
     packed = json.loads(dtrain("submit", example, "--dry-run", "--set", f"source_dir={src}",
                                "-o", "json").stdout)["packed"]
     assert packed == {str(src): {"files": ["lib/model.py", "train.py"], "secrets": [".ENV"]}}
+
+
+def test_resume_uses_the_jobs_checkpoint_location_on_the_same_target(tmp_path):
+    from dtrain.core.errors import DtrainError, SpecError
+
+    spec = {"name": "big", "entry_point": "recipe:causal_lm", "output_path": "s3://out-bkt/d",
+            "compute": {"target": "sagemaker", "instance_type": "ml.p4d.24xlarge"},
+            "sagemaker": {"role": "arn:aws:iam::111122223333:role/Train"}}
+    store = JobStore()
+    job = store.create(name="big-20261124-001019", target="sagemaker", spec=spec,
+                       status="Stopped",
+                       target_data={"checkpoints": "s3://out-bkt/d/big-20261124-001019/ckpt"})
+    resumed = jobs.resume_spec(job.id, store=store, overrides=["hyperparameters.steps=9"])
+    assert resumed.checkpoint.uri == "s3://out-bkt/d/big-20261124-001019/ckpt"
+    assert resumed.hyperparameters == {"steps": 9}
+    with pytest.raises(SpecError, match="the job ran on sagemaker, this spec targets local"):
+        jobs.resume_spec(job.id, store=store, spec=jobs.resume_spec(job.id, store=store)
+                         .model_copy(update={"compute": resumed.compute.model_copy(
+                             update={"target": "local"})}))
+    bare = store.create(name="old", target="sagemaker", spec=spec, status="Failed")
+    with pytest.raises(DtrainError, match="recorded no checkpoint location"):
+        jobs.resume_spec(bare.id, store=store)
