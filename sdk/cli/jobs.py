@@ -214,7 +214,8 @@ def list_command(target: str | None, limit: int, refresh: bool, output: str) -> 
     width = max([4, *(len(r.name) for r in records)])
     click.echo(f"{'ID':<12}  {'NAME':<{width}}  {'TARGET':<9}  {'STATUS':<9}  {'CREATED':<19}  TIME")
     for r in records:
-        click.echo(f"{r.id:<12}  {r.name:<{width}}  {r.target:<9}  {r.status:<9}  "
+        status = "unreadable" if r.problem else r.status
+        click.echo(f"{r.id:<12}  {r.name:<{width}}  {r.target:<9}  {status:<9}  "
                    f"{_fmt_time(r.created_at):<19}  {_duration(r)}")
 
 

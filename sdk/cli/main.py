@@ -113,11 +113,12 @@ def _price(value: float | None) -> str:
 
 
 def _register_commands() -> None:
-    """Job and EC2 commands live in their own modules (one module per concern)."""
+    """Job, EC2 and store commands live in their own modules (one module per concern)."""
     from dtrain.cli import ec2 as cli_ec2
     from dtrain.cli import jobs as cli_jobs
+    from dtrain.cli import store as cli_store
 
-    for command in (*cli_jobs.COMMANDS, *cli_ec2.COMMANDS):
+    for command in (*cli_jobs.COMMANDS, *cli_ec2.COMMANDS, *cli_store.COMMANDS):
         cli.add_command(command)
 
 

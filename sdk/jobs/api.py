@@ -71,6 +71,8 @@ class StoreJournal:
 
 def refresh(record: JobRecord, launcher: Launcher, store: JobStore) -> JobRecord:
     """Ask the target about the job and write what changed."""
+    if record.problem:
+        raise DtrainError(f"job {record.id}: {record.problem}")
     return apply(store, record.id, launcher.status(handle_of(record, launcher)))
 
 
@@ -214,7 +216,7 @@ def list_jobs(*, target: str | None = None, limit: int | None = None,
     target does not answer in time, or fails to, is listed as recorded."""
     store = store or JobStore()
     records = store.list(target=target, limit=limit)
-    live = [r for r in records if not r.is_final]
+    live = [r for r in records if not r.is_final and not r.problem]
     if refresh_s is None or not live:
         return records
     from concurrent.futures import ThreadPoolExecutor, wait

@@ -33,7 +33,7 @@ from dtrain.core.states import (  # noqa: F401 - the store's vocabulary, re-expo
     STOPPING,
 )
 
-_COLUMNS = ("id", "name", "target", "spec", "status", "created_at", "started_at", "ended_at",
+COLUMNS = ("id", "name", "target", "spec", "status", "created_at", "started_at", "ended_at",
             "failure_reason", "log_location", "output_location", "target_data")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_name_created ON jobs (name, created_at);
 """
 _RETRIES = 20
+BACKUP_EVERY_S = 86400.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class JobRecord:
     log_location: str | None = None
     output_location: str | None = None
     target_data: dict[str, Any] = field(default_factory=dict)
+    problem: str | None = None  # set when the stored row cannot be read (its JSON is damaged)
 
     @property
     def is_final(self) -> bool:
@@ -79,9 +81,14 @@ class JobRecord:
 
     @classmethod
     def _from_row(cls, row: sqlite3.Row) -> JobRecord:
-        values = dict(zip(_COLUMNS, row))
-        values["spec"] = json.loads(values["spec"])
-        values["target_data"] = json.loads(values["target_data"] or "{}")
+        values = dict(zip(COLUMNS, row))
+        try:
+            values["spec"] = json.loads(values["spec"])
+            values["target_data"] = json.loads(values["target_data"] or "{}")
+        except (TypeError, ValueError) as exc:  # listed as unreadable, never a crash
+            values.update(spec={}, target_data={},
+                          problem=f"its stored record is unreadable ({exc}); `dtrain store "
+                                  "repair` removes it")
         return cls(**values)
 
 
@@ -95,8 +102,28 @@ class JobStore:
     def __init__(self, path: str | None = None, *, timeout_s: float = 30.0):
         self.path = os.path.abspath(path or default_db_path())
         self._timeout_s = timeout_s
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        folder = os.path.dirname(self.path)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise DtrainError(f"cannot create the job store's folder {folder!r}: "
+                              f"{exc.strerror}; set DTRAIN_HOME (or DTRAIN_JOBS_DB) to a place "
+                              "you can write") from None
+        # a store that had jobs (it has a backup) and is now empty was truncated, not new
+        if os.path.isfile(self.backup_path) and os.path.isfile(self.path) and \
+                os.path.getsize(self.path) == 0:
+            raise self.damaged("it is empty (0 bytes) though it had jobs")
         self._retry(self._create_schema)
+        self._retry(self._backup)
+
+    @property
+    def backup_path(self) -> str:
+        return self.path + ".bak"
+
+    def damaged(self, what: str) -> DtrainError:
+        return DtrainError(f"job store {self.path} is damaged: {what}; `dtrain store repair` "
+                           "keeps every readable job (and those of its daily backup) and moves "
+                           "the damaged file aside")
 
     # -------------------------------------------------------------- plumbing
 
@@ -125,11 +152,33 @@ class JobStore:
                 return fn(*args)
             except sqlite3.OperationalError as exc:
                 busy = "locked" in str(exc) or "busy" in str(exc)
+                if "unable to open" in str(exc) or "readonly" in str(exc):
+                    raise DtrainError(f"job store {self.path}: {exc}; make it writable, or set "
+                                      "DTRAIN_HOME (or DTRAIN_JOBS_DB) elsewhere") from None
                 if not busy or attempt == _RETRIES - 1:
                     raise DtrainError(
                         f"job store {self.path}: {exc}; retry, or set DTRAIN_JOBS_DB to another file"
-                    ) from exc
+                    ) from None
                 time.sleep(min(0.05 * 2 ** attempt, 1.0) * random.uniform(0.5, 1.5))
+            except sqlite3.DatabaseError as exc:  # not a database, or a malformed one
+                raise self.damaged(str(exc)) from None
+
+    def _backup(self, *, force: bool = False) -> None:
+        """A copy of the store next to it, taken after each new job and at least daily: what
+        `dtrain store repair` falls back on when the store itself cannot be read."""
+        try:
+            if not force and time.time() - os.path.getmtime(self.backup_path) < BACKUP_EVERY_S:
+                return
+        except OSError:
+            pass
+        partial = f"{self.backup_path}.{os.getpid()}.tmp"
+        source, target = self._connect(), sqlite3.connect(partial)
+        try:
+            source.backup(target)
+        finally:
+            target.close()
+            source.close()
+        os.replace(partial, self.backup_path)
 
     def _create_schema(self) -> None:
         conn = self._connect()
@@ -152,6 +201,14 @@ class JobStore:
 
     # -------------------------------------------------------------- writes
 
+    def insert_row(self, row: tuple) -> None:
+        """A row as another store holds it (``COLUMNS`` order): how a repair copies jobs."""
+        def insert() -> None:
+            with self._write() as conn:
+                conn.execute(f"INSERT OR REPLACE INTO jobs ({','.join(COLUMNS)}) VALUES "
+                             f"({','.join('?' * len(COLUMNS))})", row)
+        self._retry(insert)
+
     def create(self, *, name: str, target: str, spec: dict[str, Any], job_id: str | None = None,
                status: str = PENDING, log_location: str | None = None,
                output_location: str | None = None, created_at: float | None = None,
@@ -166,9 +223,10 @@ class JobStore:
             row["spec"] = json.dumps(row["spec"], default=str)
             row["target_data"] = json.dumps(row["target_data"], default=str)
             with self._write() as conn:
-                conn.execute(f"INSERT INTO jobs ({','.join(_COLUMNS)}) VALUES "
-                             f"({','.join('?' * len(_COLUMNS))})", [row[c] for c in _COLUMNS])
+                conn.execute(f"INSERT INTO jobs ({','.join(COLUMNS)}) VALUES "
+                             f"({','.join('?' * len(COLUMNS))})", [row[c] for c in COLUMNS])
         self._retry(insert)
+        self._retry(lambda: self._backup(force=True))
         return record
 
     def update(self, job_id: str, *, status: str | None = None,
@@ -179,9 +237,9 @@ class JobStore:
 
         Returns the record as stored afterwards (check ``status`` to see whether you won a race).
         """
-        unknown = set(fields) - set(_COLUMNS[5:11])
+        unknown = set(fields) - set(COLUMNS[5:11])
         if unknown:
-            raise ValueError(f"cannot update {sorted(unknown)}; allowed: {list(_COLUMNS[5:11])}")
+            raise ValueError(f"cannot update {sorted(unknown)}; allowed: {list(COLUMNS[5:11])}")
         if status is not None and status not in STATUSES:
             raise ValueError(f"status {status!r} is not one of {STATUSES}")
 
@@ -208,7 +266,7 @@ class JobStore:
     # -------------------------------------------------------------- reads
 
     def get(self, job_id: str) -> JobRecord:
-        rows = self._query(f"SELECT {','.join(_COLUMNS)} FROM jobs WHERE id = ?", (job_id,))
+        rows = self._query(f"SELECT {','.join(COLUMNS)} FROM jobs WHERE id = ?", (job_id,))
         if not rows:
             raise DtrainError(f"no job with id {job_id!r}; see `dtrain list`")
         return rows[0]
@@ -222,7 +280,7 @@ class JobStore:
     def find_all(self, ref: str) -> list[JobRecord]:
         """Every job ``ref`` names, newest first: one for an id or a unique id prefix, all the
         jobs of a name. Raises DtrainError when none matches."""
-        cols = ",".join(_COLUMNS)
+        cols = ",".join(COLUMNS)
         rows = self._query(f"SELECT {cols} FROM jobs WHERE id = ?", (ref,))
         if not rows:
             rows = self._query(
@@ -250,7 +308,7 @@ class JobStore:
         if status:
             where.append("status = ?")
             params.append(status)
-        sql = f"SELECT {','.join(_COLUMNS)} FROM jobs"
+        sql = f"SELECT {','.join(COLUMNS)} FROM jobs"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, rowid DESC"

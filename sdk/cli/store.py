@@ -1,0 +1,40 @@
+"""``dtrain store``: the job store itself (where it is, repairing a damaged one)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group("store")
+def store_group() -> None:
+    """The job store: one SQLite file recording every job (DTRAIN_JOBS_DB, else
+    $DTRAIN_HOME/jobs.db), with a backup at most a day old next to it."""
+
+
+@store_group.command("path")
+def path() -> None:
+    """Print where the job store is."""
+    from dtrain.core.paths import default_db_path
+
+    click.echo(default_db_path())
+
+
+@store_group.command("repair")
+def repair() -> None:
+    """Rebuild a damaged store from every job that can still be read, in it or its backup.
+
+    The damaged file is moved aside (jobs.db.damaged-<time>), never deleted; jobs whose record
+    cannot be read are named."""
+    from dtrain.jobs.repair import repair as run_repair
+
+    report = run_repair()
+    click.echo(f"kept {report.kept} job(s) ({report.from_backup} from the backup) in "
+               f"{report.path}")
+    if report.unreadable:
+        click.echo(f"removed {len(report.unreadable)} unreadable record(s): "
+                   + ", ".join(report.unreadable))
+    if report.moved_aside:
+        click.echo(f"the damaged file is at {report.moved_aside}")
+
+
+COMMANDS = [store_group]

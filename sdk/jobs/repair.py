@@ -1,0 +1,81 @@
+"""`dtrain store repair`: a damaged job store becomes a working one with every job that can still
+be read, from the store itself or its daily backup; the damaged file is kept aside."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+
+from dtrain.core.paths import default_db_path
+from dtrain.jobs import store as job_store
+
+
+@dataclass
+class Repair:
+    path: str
+    kept: int = 0
+    from_backup: int = 0
+    unreadable: list[str] = field(default_factory=list)  # ids of rows whose JSON was damaged
+    moved_aside: str | None = None
+
+
+def readable_rows(path: str) -> list[tuple]:
+    """The rows of ``path``'s jobs table that sqlite can still read (none of a non-database)."""
+    rows: list[tuple] = []
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return rows
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return rows
+    try:
+        cursor = conn.execute(f"SELECT {','.join(job_store.COLUMNS)} FROM jobs")
+        while True:  # row by row: a damaged page stops the reading, not what came before
+            row = cursor.fetchone()
+            if row is None:
+                break
+            rows.append(row)
+    except sqlite3.Error:
+        pass
+    finally:
+        conn.close()
+    return rows
+
+
+def _readable_json(row: tuple) -> bool:
+    values = dict(zip(job_store.COLUMNS, row))
+    try:
+        json.loads(values["spec"])
+        json.loads(values["target_data"] or "{}")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def repair(path: str | None = None) -> Repair:
+    path = os.path.abspath(path or default_db_path())
+    report = Repair(path=path)
+    rows: dict[str, tuple] = {row[0]: row for row in readable_rows(path)}
+    for row in readable_rows(path + ".bak"):
+        if row[0] not in rows:
+            rows[row[0]] = row
+            report.from_backup += 1
+    if os.path.exists(path):
+        report.moved_aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(path, report.moved_aside)
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + suffix)
+    fresh = job_store.JobStore(path)
+    for job_id, row in rows.items():
+        if not _readable_json(row):
+            report.unreadable.append(job_id)
+            continue
+        fresh.insert_row(row)
+        report.kept += 1
+    report.from_backup = min(report.from_backup, report.kept)
+    return report

@@ -1,0 +1,88 @@
+"""A damaged or unreachable job store: one line naming the file and what to do, a way back, and
+a bad row listed as unreadable instead of crashing the listing."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+from dtrain.jobs.store import JobStore
+
+
+def dtrain(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
+                          text=True, timeout=60, check=False, env={**os.environ, **env})
+
+
+def stored_jobs(count: int) -> JobStore:
+    store = JobStore()
+    for i in range(count):
+        store.create(name=f"job-{i}", target="local", spec={"name": f"job-{i}"},
+                     status="Completed")
+    return store
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    return result.stderr
+
+
+def test_a_garbage_store_is_one_line_and_repair_brings_back_the_backups_jobs(dtrain_home):
+    store = stored_jobs(3)  # the first open of the day leaves a backup with these
+    for suffix in ("", "-wal", "-shm"):
+        if os.path.exists(store.path + suffix):
+            os.remove(store.path + suffix)
+    with open(store.path, "wb") as fh:
+        fh.write(b"this is not a database, it was overwritten\n" * 100)
+    error = one_line_error(dtrain("list", "--no-refresh"))
+    assert error.startswith(f"error: job store {store.path} is damaged: file is not a database;")
+    assert "`dtrain store repair`" in error
+    repaired = dtrain("store", "repair")
+    assert repaired.returncode == 0, repaired.stderr
+    assert "kept 3 job(s) (3 from the backup)" in repaired.stdout
+    assert "the damaged file is at" in repaired.stdout
+    listing = dtrain("list", "--no-refresh").stdout
+    assert all(f"job-{i}" in listing for i in range(3))
+
+
+def test_a_truncated_store_is_noticed_not_shown_as_empty(dtrain_home):
+    store = stored_jobs(2)
+    os.truncate(store.path, 0)
+    for suffix in ("-wal", "-shm"):
+        if os.path.exists(store.path + suffix):
+            os.remove(store.path + suffix)
+    error = one_line_error(dtrain("list", "--no-refresh"))
+    assert "is empty (0 bytes) though it had jobs" in error
+    assert dtrain("store", "repair").returncode == 0
+    assert "job-1" in dtrain("list", "--no-refresh").stdout
+
+
+def test_a_row_with_damaged_json_is_listed_as_unreadable_and_the_rest_still_work(dtrain_home):
+    store = stored_jobs(2)
+    bad = store.create(name="bad", target="local", spec={}, status="Running")
+    conn = sqlite3.connect(store.path)
+    conn.execute("UPDATE jobs SET spec = '{not json' WHERE id = ?", (bad.id,))
+    conn.commit()
+    conn.close()
+    listing = dtrain("list")
+    assert listing.returncode == 0, listing.stderr
+    [line] = [row for row in listing.stdout.splitlines() if row.startswith(bad.id)]
+    assert "unreadable" in line and "job-0" in listing.stdout
+    error = one_line_error(dtrain("status", bad.id))
+    assert "its stored record is unreadable" in error and "dtrain store repair" in error
+    repaired = dtrain("store", "repair")
+    assert f"removed 1 unreadable record(s): {bad.id}" in repaired.stdout
+    records = json.loads(dtrain("list", "--no-refresh", "-o", "json").stdout)
+    assert sorted(r["name"] for r in records) == ["job-0", "job-1"]
+
+
+def test_an_unwritable_home_is_one_line_naming_the_folder(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    error = one_line_error(dtrain("list", DTRAIN_HOME=str(blocker / "home")))
+    assert f"cannot create the job store's folder '{blocker / 'home'}'" in error
+    assert "set DTRAIN_HOME" in error
