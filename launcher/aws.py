@@ -35,6 +35,7 @@ USER_ERROR_CODES = {
 }
 
 
+_WRAPPED_CODE = re.compile(r"An error occurred \((\w+)\) when calling")
 _HTML = re.compile(r"<\s*(!doctype|html|head|body)\b", re.IGNORECASE)
 _TAG = re.compile(r"<[^>]*>")
 
@@ -58,7 +59,9 @@ def error_code(exc: BaseException) -> str | None:
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         return response.get("Error", {}).get("Code")
-    return None
+    # boto3's transfer manager wraps the ClientError into text (S3UploadFailedError)
+    match = _WRAPPED_CODE.search(str(exc)) if type(exc).__name__.endswith("FailedError") else None
+    return match.group(1) if match else None
 
 
 def as_dtrain_error(exc: BaseException, action: str) -> DtrainError:
@@ -69,6 +72,8 @@ def as_dtrain_error(exc: BaseException, action: str) -> DtrainError:
     if isinstance(response, dict):
         message = response.get("Error", {}).get("Message", "")
     message = " ".join((message or str(exc)).split())
+    if not isinstance(response, dict) and ": " in message and _WRAPPED_CODE.search(message):
+        message = message.rsplit(": ", 1)[1]  # the wrapped error's own words
     if _HTML.search(message):  # an error page from a proxy or an emulator: never shown raw
         status = (response or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") \
             if isinstance(response, dict) else None

@@ -33,6 +33,7 @@ from typing import IO, Any
 import pathspec
 from dtrain.core import s3
 from dtrain.core.errors import DtrainError
+from dtrain.launcher import aws
 from dtrain.launcher.base import Upload
 
 SOURCE_ARCHIVE = "sourcedir.tar.gz"
@@ -303,7 +304,12 @@ def upload_file(client: Any, path: str | os.PathLike, uri: str, *,
     bucket, key = s3.split(uri)
     out = stream if stream is not None else sys.stderr
     progress = _Progress(key.rsplit("/", 1)[-1], os.path.getsize(path), out)
-    client.upload_file(str(path), bucket, key, Callback=progress)
+    try:
+        client.upload_file(str(path), bucket, key, Callback=progress)
+    except Exception as exc:
+        if aws.error_code(exc) is None:
+            raise
+        raise aws.as_dtrain_error(exc, f"uploading {Path(path).name} to {uri}") from None
     progress.finish()
     return uri
 

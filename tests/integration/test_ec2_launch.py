@@ -283,6 +283,18 @@ def test_capacity_error_on_second_node_rolls_everything_back(aws):
     assert failed.target_data["cleanup"]["state"] == "done"
 
 
+def test_an_upload_refused_by_s3_is_one_line_and_leaves_nothing(aws):
+    target = ec2_target(aws, assume_yes=True)
+    with pytest.raises(DtrainError) as caught:
+        target.submit("output_path=s3://no-such-bucket-7/dtrain")
+    message = str(caught.value)
+    assert "\n" not in message and "Traceback" not in message
+    assert "failed: NoSuchBucket: The specified bucket does not exist; create the bucket or fix "\
+        "output_path" in message
+    assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
+    assert JobStore().find(JOB).status == "Failed"
+
+
 def test_cost_above_threshold_is_refused_without_yes_and_nothing_is_created(aws):
     target = ec2_target(aws)
     with pytest.raises(DtrainError, match="confirm_above_usd"):
