@@ -73,20 +73,23 @@ def _finish(record: Any, output: str) -> None:
 def _dry_run(spec: Any, output: str) -> None:
     """The resolved plan, the exact request the target's backend would send, and the files
     each source folder it uploads would pack (and the ones left out as secrets)."""
+    from dtrain.core import secrets
     from dtrain.jobs import api as jobs
     from dtrain.planning.planner import plan
 
     resolved = plan(spec)
     request = jobs.build_request(spec)
     packed = jobs.packed_sources(request)
+    # secrets given in plain text are sent, never printed
+    shown = secrets.redact(request.to_dict(), secrets.plain_secrets(spec.environment))
     if output == "json":
-        echo_json({"plan": resolved.to_dict(), "request": request.to_dict(), "packed": packed})
+        echo_json({"plan": resolved.to_dict(), "request": shown, "packed": packed})
         return
     from dtrain.planning.report import render_plan
 
     click.echo(render_plan(resolved))
     click.echo(f"\nrequest ({spec.compute.target}):")
-    echo_json(request.to_dict())
+    echo_json(shown)
     for folder, listing in packed.items():
         click.echo(f"\npacked from {folder} ({len(listing['files'])} files): "
                    + ", ".join(listing["files"]))

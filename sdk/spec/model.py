@@ -236,7 +236,11 @@ class Ec2Options(_Model):
     subnet_id: str | None = Field(None, description="Subnet for every node (one AZ).")
     key_name: str | None = Field(None, description="EC2 key pair for SSH, if any.")
     ssh_cidr: str | None = Field(
-        None, description="CIDR allowed to SSH in; default: no SSH rule at all."
+        None, description="CIDR allowed to SSH in; default: no SSH rule at all. A range wider "
+        "than /8 is refused unless allow_open_ssh.",
+    )
+    allow_open_ssh: bool = Field(
+        False, description="Allow an ssh_cidr open to the world (0.0.0.0/0 or wider than /8).",
     )
     instance_profile: str | None = Field(
         None, description="IAM instance profile (name or ARN) giving nodes S3 access."

@@ -70,15 +70,15 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
         contract = c.read_contract(
             paths.root, num_gpus=_torch_gpu_count(probe.settings.instance_type))
         command = build_worker_command(contract)
+        for stale in (paths.failure_file, paths.failure_details_file):
+            if os.path.exists(stale):
+                os.remove(stale)
+        apply_environment(contract)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         reports.write_failure(paths, {"summary": f"node agent could not start: {exc}",
                               "timestamp": time.time(), "rank": None, "exit_code": 2})
         logger.error("%s", exc)
         return 2
-    for stale in (paths.failure_file, paths.failure_details_file):
-        if os.path.exists(stale):
-            os.remove(stale)
-    apply_environment(contract)
     state = _install_signal_handlers(contract.settings.max_run)
     config = build_launch_config(contract, grace_period_s=grace)
     logger.info("host %s (node rank %d/%d): %d worker(s) of %s", contract.current_host,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from dtrain.core import contract as c
 from dtrain.core import instances, logformat
 from dtrain.runtime import torch_private
+from dtrain.runtime.agent import secrets
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig
@@ -78,7 +79,9 @@ def processes_per_host(contract: c.Contract) -> int:
 
 
 def apply_environment(contract: c.Contract) -> None:
-    """Set what workers inherit: SM_*/DTRAIN_* always; EFA and CPU-only defaults unless set."""
+    """Set what workers inherit: SM_*/DTRAIN_* always; EFA and CPU-only defaults unless set;
+    the job's secret references resolved (``dtrain.core.secrets``)."""
+    secrets.resolve_references(os.environ)
     os.environ.update(contract.worker_environment())
     for key, value in instances.efa_environment(contract.settings.instance_type,
                                         contract.network_interface_name).items():

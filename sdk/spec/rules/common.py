@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dtrain.core import contract, s3
+from dtrain.core import contract, s3, secrets
 from dtrain.core.parallelism import ParallelismError, build_parallelism_plan
 
 RECIPES = ("causal_lm", "masked_lm")
@@ -163,5 +163,16 @@ def channel_names(spec, ctx: Findings) -> None:
                 f"{contract.RESERVED_PREFIX}* carry its code); rename the channel")
 
 
+def environment_secrets(spec, ctx: Findings) -> None:
+    """Secret-looking variables should be references, which never travel in a request."""
+    for name, value in spec.environment.items():
+        if secrets.reference(value) is None and secrets.looks_secret(name) and value:
+            ctx.notes.append(
+                f"environment.{name}: looks like a secret given in plain text; it travels in "
+                f"the job's request (dry runs show it as {secrets.REDACTED}); give a reference "
+                f"instead, e.g. {name}: secretsmanager:<secret name> or ssm:<parameter name>, "
+                "resolved on the node")
+
+
 COMMON_RULES = (instance_fits_target, backend_fits_hardware, degrees_make_a_plan, spot_settings,
-                entry_point, channel_names)
+                entry_point, channel_names, environment_secrets)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 
 from dtrain.spec.rules.common import Findings, cloud_paths
 from dtrain.spec.rules.sagemaker import image_torch
 
+# An SSH rule for a range wider than this prefix counts as open to the world.
+OPEN_PREFIX = 8
 # The node bootstrap carries the job's settings in EC2 user data (16 KiB raw); its fixed part
 # and dtrain's own settings take under 6 KiB, so the user's values get the rest.
 USER_VALUES_BUDGET = 10 * 1024
@@ -28,8 +31,12 @@ def ec2_settings(spec, ctx: Findings) -> None:
             f"compute.instance_type: {spec.compute.instance.name!r} has no EC2 offering; pick "
             "an EC2 instance type such as p4d.24xlarge"
         )
-    if ec2.ssh_cidr is not None and ec2.ssh_cidr.endswith("/0"):
-        ctx.notes.append(f"ec2.ssh_cidr: {ec2.ssh_cidr} opens SSH to the whole internet")
+    if ec2.ssh_cidr is not None and ipaddress.ip_network(ec2.ssh_cidr, strict=False).prefixlen \
+            < OPEN_PREFIX and not ec2.allow_open_ssh:
+        ctx.problems.append(
+            f"ec2.ssh_cidr: {ec2.ssh_cidr} opens SSH to a large part of the internet; give your "
+            "own address range (e.g. 203.0.113.7/32), or set ec2.allow_open_ssh: true if you "
+            "mean it")
 
 
 def user_values_fit_the_bootstrap(spec, ctx: Findings) -> None:
