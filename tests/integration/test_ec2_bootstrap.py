@@ -216,3 +216,103 @@ def test_rendezvous_gives_up_with_a_failed_status_when_a_node_never_arrives(s3, 
     status = read_json(s3, f"dtrain/{JOB}/status/{IPS[0]}.json")
     assert code == 1 and status["state"] == "failed"
     assert "1 of 2 nodes checked in" in status["reason"]
+
+
+SPOT_AGENT = """
+import os, signal, sys, time
+from dtrain.core import contract
+c = contract.read_contract(sys.argv[1])
+
+def checkpoint(step):
+    path = os.path.join(c.checkpoint_dir, f"step-{step:06d}")
+    os.makedirs(path + ".tmp", exist_ok=True)
+    with open(os.path.join(path + ".tmp", "shard.distcp"), "w") as f:
+        f.write(f"weights of step {step}")
+    open(os.path.join(path + ".tmp", "COMPLETE"), "w").close()
+    os.rename(path + ".tmp", path)
+
+def on_term(*_):  # what the trainer does on SIGTERM: one more checkpoint, then exit 143
+    checkpoint(2)
+    sys.exit(143)
+
+signal.signal(signal.SIGTERM, on_term)
+checkpoint(1)
+os.makedirs(os.path.join(c.checkpoint_dir, "step-000002.tmp"), exist_ok=True)  # half written
+while True:
+    time.sleep(0.05)
+"""
+
+
+class FakeImds:
+    """A double of EC2's instance metadata service: IMDSv2 token, then the spot notice path,
+    404 until ``interrupt()``."""
+
+    def __init__(self):
+        import http.server
+
+        notice = self.notice = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_PUT(self):  # noqa: N802 - http.server's naming
+                self._answer(200, b"token") if self.path == "/latest/api/token" else \
+                    self._answer(404, b"")
+
+            def do_GET(self):  # noqa: N802
+                if self.path == "/latest/meta-data/spot/instance-action" and notice:
+                    self._answer(200, json.dumps(notice).encode())
+                else:
+                    self._answer(404, b"")
+
+            def _answer(self, code, body):
+                self.send_response(code)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def interrupt(self):
+        self.notice.update(action="terminate", time="2026-11-24T03:00:00Z")
+
+
+def test_a_spot_notice_checkpoints_at_once_and_every_complete_checkpoint_is_already_in_s3(
+        s3, tmp_path, monkeypatch):
+    imds = FakeImds()
+    monkeypatch.setenv(boot.IMDS_ENDPOINT_ENV, imds.url)
+    monkeypatch.setattr(boot, "LOG_SYNC_S", 0.2)
+    monkeypatch.setattr(boot, "SPOT_POLL_S", 0.2)
+    config = {**job_config("t-spot"), "num_nodes": 1}
+    upload_artifacts(s3, config)
+    stub = tmp_path / "agent.py"
+    stub.write_text(SPOT_AGENT)
+    node = boot.Node(rank=0, private_ip=IPS[0], instance_id="i-0",
+                     root=str(tmp_path / "node" / "ml"), work_dir=str(tmp_path / "node" / "work"))
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(code=boot.run_node(
+        s3, config, node, command=[sys.executable, str(stub), node.root],
+        rendezvous_timeout_s=30, poll_s=0.2)))
+    runner.start()
+    bucket, prefix = s3_uri.split(boot.checkpoint_uri(config))
+
+    def keys() -> list[str]:
+        return sorted(o["Key"][len(prefix) + 1:] for o in
+                      s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+    deadline = time.monotonic() + 60
+    while "step-000001/COMPLETE" not in keys():  # synced while the job still runs
+        assert runner.is_alive() and time.monotonic() < deadline
+        time.sleep(0.1)
+    assert not [k for k in keys() if ".tmp" in k]  # never a checkpoint being written
+    imds.interrupt()
+    runner.join(timeout=60)
+    assert result["code"] == 143
+    assert {"step-000001/COMPLETE", "step-000002/COMPLETE", "step-000002/shard.distcp"} <= \
+        set(keys())
+    report = json.loads(s3.get_object(Bucket=BUCKET, Key=s3_uri.split(
+        f"{config['prefix']}/status/{IPS[0]}.json")[1])["Body"].read())
+    assert report["state"] == "stopped"
+    imds.server.shutdown()

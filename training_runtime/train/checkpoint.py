@@ -36,6 +36,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from dtrain.core.checkpoint_layout import (
+    COMPLETE,
+    METADATA,
+    TRAINER_STATE,
+    complete_checkpoints,
+    latest_checkpoint,
+    step_dir_name,
+)
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -43,33 +51,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-
-COMPLETE = "COMPLETE"
-TRAINER_STATE = "trainer.json"
-METADATA = ".metadata"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
-
-
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / COMPLETE).is_file():
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
 
 
 def rng_state() -> dict[str, Any]:

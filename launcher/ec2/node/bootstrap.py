@@ -18,22 +18,28 @@ Instance facts come from IMDSv2 unless given as arguments (the tests stand in fo
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from dtrain.core import contract, s3, states
+from dtrain.core import checkpoint_layout, contract, s3, states
 from dtrain.launcher.ec2 import layout
 
-IMDS = "http://169.254.169.254/latest"
-LOG_SYNC_S = 30
+# The instance metadata service; AWS's SDKs read the same variable to point elsewhere.
+IMDS_ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
+IMDS = "http://169.254.169.254"
+LOG_SYNC_S = 30  # logs and newly completed checkpoints go to S3 this often while the job runs
+SPOT_POLL_S = 5  # EC2 gives two minutes' notice; the checkpoint needs most of them
 RENDEZVOUS_TIMEOUT_S = 1800
 RENDEZVOUS_POLL_S = 5
 
@@ -49,12 +55,24 @@ class Node:
 
 def imds(path: str) -> str:
     """One IMDSv2 value (token first: the instances require it)."""
-    put = urllib.request.Request(f"{IMDS}/api/token", method="PUT",
+    base = os.environ.get(IMDS_ENDPOINT_ENV, IMDS).rstrip("/") + "/latest"
+    put = urllib.request.Request(f"{base}/api/token", method="PUT",
                                  headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
     token = urllib.request.urlopen(put, timeout=2).read().decode()
-    get = urllib.request.Request(f"{IMDS}/meta-data/{path}",
+    get = urllib.request.Request(f"{base}/meta-data/{path}",
                                  headers={"X-aws-ec2-metadata-token": token})
     return urllib.request.urlopen(get, timeout=2).read().decode()
+
+
+def spot_notice() -> dict | None:
+    """EC2's interruption notice for this instance (``{"action": "terminate", "time": ...}``),
+    or None while there is none (the path answers 404 then)."""
+    try:
+        return json.loads(imds("spot/instance-action"))
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        raise
 
 
 def default_interface() -> str:
@@ -167,21 +185,53 @@ def agent_command(config: dict, node: Node) -> list[str]:
 
 def run_agent(client, config: dict, node: Node, paths: contract.Paths,
               command: list[str]) -> int:
+    """Run the node agent; meanwhile sync its logs and each checkpoint it completes to S3, and
+    pass EC2's spot interruption notice on as SIGTERM, so it checkpoints at once."""
     env = {**os.environ, **config.get("environment", {})}
     logs_uri = layout.logs_folder(config["prefix"], node.private_ip)
     stop = threading.Event()
+    agent = subprocess.Popen(command, env=env)
+    synced: set[str] = set()
 
-    def sync_logs() -> None:
+    def sync() -> None:
         while not stop.wait(LOG_SYNC_S):
             _quietly(upload_dir, client, paths.logs_dir, logs_uri)
+            _quietly(sync_checkpoints, client, paths.checkpoints_dir, checkpoint_uri(config),
+                     synced)
 
-    syncer = threading.Thread(target=sync_logs, daemon=True)
-    syncer.start()
+    def watch_spot() -> None:
+        while not stop.wait(SPOT_POLL_S):
+            try:
+                notice = spot_notice()
+            except OSError:
+                continue  # not on EC2, or IMDS busy: ask again
+            if notice:
+                print(f"dtrain: spot interruption notice {notice}: stopping the workers after "
+                      "a checkpoint", file=sys.stderr, flush=True)
+                _quietly(functools.partial(write_status, notice=notice), client, config, node,
+                         "interrupting")
+                agent.send_signal(signal.SIGTERM)
+                return
+
+    threads = [threading.Thread(target=t, daemon=True) for t in (sync, watch_spot)]
+    for thread in threads:
+        thread.start()
     try:
-        return subprocess.call(command, env=env)
+        return agent.wait()
     finally:
         stop.set()
-        syncer.join(timeout=5)
+        for thread in threads:
+            thread.join(timeout=5)
+
+
+def sync_checkpoints(client, folder: str, uri: str, synced: set[str]) -> None:
+    """Upload each complete checkpoint not uploaded yet (as SageMaker syncs its checkpoint
+    folder), so an interrupted node's shards are in S3 even if it goes down before its job
+    ends. A checkpoint still being written (``step-N.tmp``) is never uploaded."""
+    for _step, path in checkpoint_layout.complete_checkpoints(folder):
+        if path.name not in synced:
+            upload_dir(client, str(path), s3.join(uri, path.name))
+            synced.add(path.name)
 
 
 def upload_results(client, config: dict, node: Node, paths: contract.Paths) -> None:
@@ -201,7 +251,8 @@ def _quietly(func, *args) -> None:
     try:
         func(*args)
     except Exception as exc:  # noqa: BLE001 - a failed upload must not kill the node's job
-        print(f"dtrain: {func.__name__} failed: {exc}", file=sys.stderr)
+        name = getattr(func, "__name__", None) or getattr(func, "func", func).__name__
+        print(f"dtrain: {name} failed: {exc}", file=sys.stderr)
 
 
 def _failure_reason(paths: contract.Paths, code: int) -> str:
