@@ -99,7 +99,7 @@ def test_submit_dry_run_prints_the_plan_then_the_request(spec_file):
     request_at = result.stdout.index("request (local):")
     assert plan_at < request_at
     data = json.loads(dtrain("submit", str(spec_file), "--dry-run", "-o", "json").stdout)
-    assert set(data) == {"plan", "request"} and data["plan"]["world_size"] == 1
+    assert set(data) == {"plan", "request", "packed"} and data["plan"]["world_size"] == 1
 
 
 def test_expensive_ec2_launch_needs_yes_and_launches_nothing_without_it(tmp_path):

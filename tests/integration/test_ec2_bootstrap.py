@@ -253,11 +253,11 @@ class FakeImds:
         notice = self.notice = {}
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_PUT(self):  # noqa: N802 - http.server's naming
+            def do_PUT(self):
                 self._answer(200, b"token") if self.path == "/latest/api/token" else \
                     self._answer(404, b"")
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 if self.path == "/latest/meta-data/spot/instance-action" and notice:
                     self._answer(200, json.dumps(notice).encode())
                 else:

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import venv
 from pathlib import Path
 
@@ -34,15 +33,16 @@ print(format_metrics(1, loss=1.5), flush=True)
 
 
 def make_venv_with_this_interpreters_packages(env_dir: Path) -> None:
-    """A venv that sees the running interpreter's site-packages (torch) through a .pth path
-    line. ``system_site_packages`` would give the base interpreter's, which inside a virtualenv
-    has no torch; and a path line, unlike a site dir, runs none of that folder's .pth files, so
-    this checkout's editable dtrain stays invisible."""
+    """A venv that sees the running interpreter's site-packages (torch) through .pth path
+    lines: every site folder on its path, whether it is the system Python, a virtualenv, or a
+    virtualenv that also sees the system's. ``system_site_packages`` would give the base
+    interpreter's only; and a path line, unlike a site dir, runs none of that folder's .pth
+    files, so this checkout's editable dtrain stays invisible."""
     venv.EnvBuilder(with_pip=False).create(env_dir)
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     site = env_dir / "lib" / version / "site-packages"
-    paths = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-    (site / "parent-site-packages.pth").write_text("\n".join(paths) + "\n")
+    paths = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    (site / "parent-site-packages.pth").write_text("\n".join(dict.fromkeys(paths)) + "\n")
 
 
 @pytest.mark.slow
