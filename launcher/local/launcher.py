@@ -217,8 +217,11 @@ class LocalLauncher(Launcher):
         offsets = {h: 0 for h in hosts}
         while True:
             done = not follow or ended()
-            for h in hosts:
-                yield from _read_new_lines(layout.agent_log(state.job_dir, h), offsets, h, rank)
+            new = {h: _read_new_lines(layout.agent_log(state.job_dir, h), offsets, h) for h in hosts}
+            for h, raw in logformat.merge_by_time(new):
+                line = logformat.as_line(h, raw)
+                if rank is None or logformat.rank_of(line) == rank:
+                    yield line
             if done:
                 return
             time.sleep(0.25)
@@ -246,17 +249,14 @@ def _kill_agents(agents: list[dict[str, Any]]) -> None:
         process.signal_group(agent, signal.SIGKILL)
 
 
-def _read_new_lines(path: str, offsets: dict[str, int], host: str,
-                    rank: int | None) -> Iterator[str]:
+def _read_new_lines(path: str, offsets: dict[str, int], host: str) -> list[str]:
+    """The complete lines ``host``'s agent log gained since the last read, as written."""
     try:
         with open(path, "rb") as f:
             f.seek(offsets[host])
             data = f.read()
     except FileNotFoundError:
-        return
+        return []
     end = data.rfind(b"\n") + 1  # hold back a partial last line until it is complete
     offsets[host] += end
-    for raw in data[:end].decode(errors="replace").splitlines():
-        line = logformat.as_line(host, raw)
-        if rank is None or logformat.rank_of(line) == rank:
-            yield line
+    return data[:end].decode(errors="replace").splitlines()

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from dtrain.core import contract, states
+from dtrain.core import contract, logformat, states
 from dtrain.core.states import COMPLETED, FAILED, RUNNING, STARTING, STOPPED
 from dtrain.launcher import process
 from dtrain.launcher.local.layout import (
@@ -37,6 +37,7 @@ def free_port() -> int:
 def start_agents(request: dict, job_dir: str) -> list[subprocess.Popen]:
     hosts = request["payload"]["hosts"]
     env = dict(os.environ, **request["payload"].get("environment", {}),
+               **{logformat.STAMP_ENV: "1"},
                DTRAIN_MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
     if len(hosts) > 1:
         env[contract.MASTER_PORT_ENV] = str(free_port())

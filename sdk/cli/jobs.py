@@ -250,7 +250,8 @@ def status(job: str, output: str) -> None:
 @click.option("--host", default=None, help="Only this host (e.g. algo-2).")
 @click.option("--rank", type=int, default=None, help="Only this global rank.")
 def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
-    """Print a job's logs, every host and rank prefixed `[host rank]:`."""
+    """Print a job's logs: every host's lines in the order they were written, a worker's
+    prefixed `[host rank]:`, a node agent's own `[host]`."""
     from dtrain.jobs import api as jobs
 
     printed = 0

@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 
 _RANK_LINE = re.compile(r"^\[(\S+) (\d+)\]:")
+# A node agent asked to (STAMP_ENV) writes each line of its output as "@<epoch seconds> <line>":
+# `dtrain logs` merges the hosts' lines in time order by it, and prints them without it.
+STAMP_ENV = "DTRAIN_STAMP_LOGS"
+_STAMP = re.compile(r"^@(\d+\.\d+) ")
 
 
 def rank_prefix_template(host: str) -> str:
@@ -30,6 +34,29 @@ def rank_of(line: str) -> int | None:
     """The global rank a worker's line came from; None for other lines."""
     match = _RANK_LINE.match(line)
     return int(match.group(2)) if match else None
+
+
+def stamp(when: float) -> str:
+    return f"@{when:.3f} "
+
+
+def unstamp(raw: str) -> tuple[float | None, str]:
+    """``(time, line)`` of a stamped line; ``(None, raw)`` of another."""
+    match = _STAMP.match(raw)
+    return (float(match.group(1)), raw[match.end():]) if match else (None, raw)
+
+
+def merge_by_time(per_host: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """``(host, line)`` of every host's new raw lines in time order, stamps removed. A line
+    without a stamp keeps the time of the line before it on its host (a multi-line message)."""
+    timed = []
+    for host, lines in per_host.items():
+        last = 0.0
+        for index, raw in enumerate(lines):
+            when, line = unstamp(raw)
+            last = last if when is None else when
+            timed.append((last, host, index, line))
+    return [(host, line) for _when, host, _index, line in sorted(timed)]
 
 
 def as_line(host: str, raw: str) -> str:
