@@ -4,8 +4,8 @@ A small, dated table, so that ``dtrain submit --target sagemaker`` needs no ``im
 no SageMaker SDK: the SageMaker-flavoured GPU images of the torch versions in
 :mod:`dtrain.core.torch_support`'s range, and the ECR registry account of each region (AWS's
 own accounts, which publish these images). When the SageMaker SDK is installed its lookup is
-the authority for the versions it knows (tests/integration check the table against it). Stdlib
-only: spec validation reads it too.
+the authority for the versions it knows (``pytest -m sagemaker_sdk`` checks the table against
+it). Stdlib only: spec validation reads it too.
 """
 
 from __future__ import annotations

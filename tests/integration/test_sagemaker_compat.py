@@ -108,3 +108,21 @@ def test_to_model_trainer_with_the_sdk_matches_the_request(moto_aws, monkeypatch
     assert trainer.stopping_condition.max_wait_time_in_seconds == 3 * 86400
     assert trainer.distributed.process_count_per_node == 8
     assert trainer.hyperparameters["dtrain_distribution"]["sharding_degree"] == 8
+
+
+@pytest.mark.sagemaker_sdk
+def test_the_image_table_agrees_with_the_sdk_lookup_for_every_version_and_region_it_knows():
+    """Opt-in, as above: ``dtrain.core.aws_images`` is a dated copy of what the SDK's
+    ``image_uris.retrieve`` knows; each version and region in it must give the same registry,
+    repository and Python version as the SDK (the SDK's tag is the short alias of ours)."""
+    from dtrain.core import aws_images
+    from sagemaker.core import image_uris
+
+    for version, (py_version, tag) in aws_images.IMAGES.items():
+        for region in aws_images.REGISTRIES:
+            sdk = image_uris.retrieve("pytorch", region=region, version=version,
+                                      instance_type="ml.p4d.24xlarge", image_scope="training")
+            ours = aws_images.training_image_uri(version, region)
+            assert ours.split(":")[0] == sdk.split(":")[0], (version, region)
+            assert sdk.split(":")[1] == f"{version}-gpu-{py_version}", (version, region)
+            assert aws_images.short_version(tag.split("-")[0]) == version
