@@ -11,6 +11,9 @@ from __future__ import annotations
 import re
 
 _RANK_LINE = re.compile(r"^\[(\S+) (\d+)\]:")
+# A rank's own log files in the contract's output/logs, as the node agent names them:
+# rank-<r>.stdout.log, rank-<r>.stderr.log, rank-<r>.attempt-<n>.stdout.log after a restart.
+_RANK_LOG_FILE = re.compile(r"^rank-(\d+)\.(?:.+\.)?log$")
 
 
 def rank_prefix_template(host: str) -> str:
@@ -30,6 +33,12 @@ def rank_of(line: str) -> int | None:
     """The global rank a worker's line came from; None for other lines."""
     match = _RANK_LINE.match(line)
     return int(match.group(2)) if match else None
+
+
+def rank_of_log_file(name: str) -> int | None:
+    """The rank whose log file ``name`` is (``rank-3.stderr.log`` -> 3); None for other files."""
+    match = _RANK_LOG_FILE.match(name)
+    return int(match.group(1)) if match else None
 
 
 def as_line(host: str, raw: str) -> str:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.core import contract, s3, states
+from dtrain.launcher.agents import default_interface
 from dtrain.launcher.ec2 import layout
 
 IMDS = "http://169.254.169.254/latest"
@@ -55,19 +56,6 @@ def imds(path: str) -> str:
     get = urllib.request.Request(f"{IMDS}/meta-data/{path}",
                                  headers={"X-aws-ec2-metadata-token": token})
     return urllib.request.urlopen(get, timeout=2).read().decode()
-
-
-def default_interface() -> str:
-    """The interface of the default route (``ens32`` on p4d, not ``eth0``); NCCL binds to it."""
-    try:
-        with open("/proc/net/route") as fh:
-            for line in fh.readlines()[1:]:
-                fields = line.split()
-                if len(fields) > 1 and fields[1] == "00000000":
-                    return fields[0]
-    except OSError:
-        pass
-    return "eth0"
 
 
 # ---------------------------------------------------------------- S3 helpers
