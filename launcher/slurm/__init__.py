@@ -1,1 +1,1 @@
-"""The Slurm target: sbatch + srun from the login node, the job's files on the shared file system."""
+"""The Slurm target: sbatch and srun from the login node; the job's files on the shared disk."""

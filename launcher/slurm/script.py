@@ -32,7 +32,8 @@ MASTER_PORT_BASE = 29500
 _GRACE_PERIOD = (
     "# Workers get until 5 s before Slurm's SIGKILL (KillWait after scancel's SIGTERM).",
     "kill_wait=$(scontrol show config | awk '$1 == \"KillWait\" {print $3}')",
-    f"export {contract.GRACE_PERIOD_ENV}=$(( ${{kill_wait:-30}} > 10 ? ${{kill_wait:-30}} - 5 : 5 ))",
+    (f"export {contract.GRACE_PERIOD_ENV}="
+     "$(( ${kill_wait:-30} > 10 ? ${kill_wait:-30} - 5 : 5 ))"),
 )
 
 

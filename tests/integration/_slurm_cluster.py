@@ -141,7 +141,8 @@ class SlurmCluster:
         self._network()
         self._munge()
         self._write_conf()
-        self.daemons["slurmctld"] = self._daemon("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])
+        self.daemons["slurmctld"] = self._daemon("slurmctld",
+                                                 ["slurmctld", "-D", "-f", str(self.conf)])
         for i, node in enumerate(NODES):
             self._node(i + 1, node)
         self.wait_idle()

@@ -1,4 +1,4 @@
-"""The Slurm target against a real Slurm: two nodes started on this machine, real sbatch/srun/scancel.
+"""The Slurm target against a real Slurm: two nodes started here, real sbatch, srun and scancel.
 
 Run with ``python -m pytest -q -m slurm`` (as root, with ``apt-get install -y slurm-wlm munge``);
 without Slurm every test here fails with one line naming that command. One cluster serves the
@@ -7,6 +7,7 @@ module (``_slurm_cluster``); it is stopped and its namespaces removed even when 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -67,10 +68,14 @@ def example_on_slurm(shared: Path, *overrides: str) -> list[str]:
 def test_main_example_runs_on_two_nodes_with_falling_loss(shared, cluster):
     done = dtrain("submit", *example_on_slurm(shared))
     assert done.returncode == 0, done.stdout + done.stderr
-    losses = [float(x) for x in re.findall(r"^step \d+ · loss ([\d.]+)", done.stdout, re.MULTILINE)]
+    losses = [float(x) for x in
+              re.findall(r"^step \d+ · loss ([\d.]+)", done.stdout, re.MULTILINE)]
     assert len(losses) == 4 and losses[-1] < losses[0] * 0.7, done.stdout
     record = jobs.get(re.search(r"submitted (\w+)", done.stdout)[1])
     assert record.status == "Completed" and record.target_data["hosts"] == ["n1", "n2"]
+    listed = dtrain("list", "--target", "slurm", "-o", "json")
+    assert [(r["id"], r["status"]) for r in json.loads(listed.stdout)] == \
+        [(record.id, "Completed")]
     model = Path(record.target_data["model_data"])
     assert (model / "model.safetensors").stat().st_size > 100_000
     assert (model / "config.json").exists()
