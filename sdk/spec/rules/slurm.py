@@ -18,20 +18,18 @@ from dtrain.spec.rules.sagemaker import image_torch
 
 _SLURM_NAMES = re.compile(r"^[A-Za-z0-9_.\-]+(,[A-Za-z0-9_.\-]+)*$")
 _OPTION_NAME = re.compile(r"^(--?[A-Za-z][A-Za-z0-9\-]*)")
-# sbatch options dtrain writes itself -> the spec field that sets them (None: the job's folder)
+# The spec field behind each sbatch option dtrain writes itself.
 SET_BY_DTRAIN = {
-    "--nodes": "compute.instance_count", "-N": "compute.instance_count",
-    "--ntasks": "compute.instance_count", "-n": "compute.instance_count",
-    "--ntasks-per-node": "compute.processes_per_instance",
-    "--time": "compute.max_run", "-t": "compute.max_run",
-    "--job-name": "name", "-J": "name",
-    "--partition": "slurm.partition", "-p": "slurm.partition",
-    "--account": "slurm.account", "-A": "slurm.account",
-    "--qos": "slurm.qos", "-q": "slurm.qos",
-    "--gpus-per-node": "slurm.gpus_per_node", "--gpus": "slurm.gpus_per_node",
-    "-G": "slurm.gpus_per_node", "--exclusive": "slurm.exclusive",
-    "--output": None, "-o": None, "--error": None, "-e": None, "--chdir": None, "-D": None,
-    "--open-mode": None,
+    "compute.instance_count": ("--nodes", "-N", "--ntasks", "-n"),
+    "compute.processes_per_instance": ("--ntasks-per-node",),
+    "compute.max_run": ("--time", "-t"),
+    "name": ("--job-name", "-J"),
+    "slurm.partition": ("--partition", "-p"),
+    "slurm.account": ("--account", "-A"),
+    "slurm.qos": ("--qos", "-q"),
+    "slurm.gpus_per_node": ("--gpus-per-node", "--gpus", "-G"),
+    "slurm.exclusive": ("--exclusive",),
+    "slurm.shared_dir": ("--output", "-o", "--error", "-e", "--chdir", "-D", "--open-mode"),
 }
 
 
@@ -113,13 +111,12 @@ def _extra_option_problem(line: str) -> str | None:
     name = match.group(1)
     if name in ("--array", "-a"):
         return "asks for a job array; dtrain submits one job per spec"
-    if name not in SET_BY_DTRAIN:
-        return None
-    field = SET_BY_DTRAIN[name]
+    field = next((f for f, names in SET_BY_DTRAIN.items() if name in names), None)
     if field is None:
+        return None
+    if field == "slurm.shared_dir":
         return "is set by dtrain: a job's output goes to slurm.shared_dir/<job id>/"
     return f"is set by dtrain from {field}; set that instead"
-
 
 def image_runs_the_runtime(spec, ctx: Findings) -> None:
     if spec.slurm.container_image:
