@@ -1,4 +1,4 @@
-"""Code and runtime delivery for the cloud targets (target-neutral).
+"""Code and runtime delivery for the targets that ship code: the cloud ones and Slurm.
 
 * ``pack_source`` makes ``sourcedir.tar.gz`` from ``source_dir``, honouring ``.gitignore`` and
   ``.dtrainignore`` in every folder with git's semantics (``pathspec``), never packing ``.git`` or
