@@ -3,10 +3,11 @@
 Where the hosts share the job's folder (local, Slurm), each has its contract root there
 (``host_root``) and its agent's output beside its logs (``agent_log``). An agent leaves its facts
 under its host's contract root: ``output/failure`` (SageMaker's free text) and
-``output/failure.json`` when its workers did not finish, and its exit code. The local monitor and the Slurm backend turn the agents of a job into its end the same way
-(``final_state``), and the nodes of the EC2 and Slurm targets name the interface NCCL binds to the
-same way (``default_interface``). Log files grow while a job runs; ``new_lines`` reads what was
-added since the last look, and ``follow`` keeps reading until the job has ended.
+``output/failure.json`` when its workers did not finish, and its exit code. The local monitor and
+the Slurm backend turn the agents of a job into its end the same way (``final_state``), and the
+nodes of the EC2 and Slurm targets name the interface NCCL binds to the same way
+(``default_interface``). Log files grow while a job runs; ``new_lines`` reads what was added since
+the last look, and ``follow`` keeps reading until the job has ended.
 """
 
 from __future__ import annotations
