@@ -36,6 +36,7 @@ BACKENDS = {
     "local": "dtrain.launcher.local.launcher:LocalLauncher",
     "sagemaker": "dtrain.launcher.sagemaker.launcher:SageMakerLauncher",
     "ec2": "dtrain.launcher.ec2.launcher:Ec2Launcher",
+    "slurm": "dtrain.launcher.slurm.launcher:SlurmLauncher",
 }
 
 
@@ -51,9 +52,10 @@ class JobIdentity:
 
 @dataclass(frozen=True)
 class Upload:
-    """A file ``submit`` puts in S3 before it creates the job: ``source`` is a local folder to
+    """A file ``submit`` puts in place before it creates the job: ``source`` is a local folder to
     pack (the job's ``source_dir``), or a file dtrain makes itself (``packaging.WHEEL``,
-    ``packaging.SAGEMAKER_ENTRY_SCRIPT``)."""
+    ``packaging.SAGEMAKER_ENTRY_SCRIPT``); ``uri`` is an S3 URI, or for the Slurm target a folder
+    of the cluster's shared file system."""
 
     source: str
     uri: str
@@ -148,7 +150,7 @@ class PendingCleanup:
 
 
 class Launcher(ABC):
-    """One target (local processes, SageMaker training jobs, EC2 instances)."""
+    """One target (local processes, SageMaker training jobs, EC2 instances, a Slurm cluster)."""
 
     name: ClassVar[str]
     state_type: ClassVar[type[TargetState]] = TargetState

@@ -1,4 +1,4 @@
-"""Code and runtime delivery for the cloud targets (target-neutral).
+"""Code and runtime delivery for the targets that ship code: the cloud ones and Slurm.
 
 * ``pack_source`` makes ``sourcedir.tar.gz`` from ``source_dir``, honouring ``.gitignore`` and
   ``.dtrainignore`` in every folder with git's semantics (``pathspec``), never packing ``.git`` or
@@ -8,6 +8,8 @@
   PyTorch image runs ``python -m dtrain.runtime`` after ``pip install --no-deps <wheel>``. The wheel
   is assembled from the import packages' files rather than with ``pip wheel``: that needs no build
   tools, takes milliseconds, and writes no ``build/`` or ``*.egg-info`` into a source checkout.
+* ``place_all`` makes a request's ``Upload`` list in folders of a shared file system (Slurm),
+  copying the same files ``pack_source`` would pack.
 * ``upload_all`` makes and uploads a request's ``Upload`` list; ``upload_file`` /
   ``delete_objects`` move files to S3 with boto3 (client passed in), with a progress bar on
   stderr when that is a terminal.
@@ -20,6 +22,7 @@ import fnmatch
 import hashlib
 import io
 import os
+import shutil
 import sys
 import tarfile
 import tempfile
@@ -345,6 +348,31 @@ def upload_all(client: Any, uploads: Iterable[Upload], *, stream: IO[str],
                 path = packed.path
             uploaded.append(upload.uri)
             upload_file(client, path, upload.uri, stream=stream)
+
+
+def copy_source(source_dir: str | os.PathLike, dest_dir: str | os.PathLike) -> PackedSource:
+    """Copy into ``dest_dir`` the files ``pack_source`` would pack (links as links)."""
+    files, secrets = list_source_files(source_dir)
+    for rel in files:
+        source, target = Path(source_dir) / rel, Path(dest_dir) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            os.symlink(os.readlink(source), target)
+        else:
+            shutil.copy2(source, target)
+    return PackedSource(Path(dest_dir), files, secrets)
+
+
+def place_all(uploads: Iterable[Upload], *, stream: IO[str]) -> None:
+    """For a target whose nodes share the submitting machine's files (Slurm): each of a
+    request's ``uploads`` made in the folder its ``uri`` names — the source folder copied
+    (warning about each secret left out) or the runtime wheel built there."""
+    for upload in uploads:
+        if upload.source == WHEEL:
+            build_runtime_wheel(upload.uri)
+        else:
+            for secret in copy_source(upload.source, upload.uri).skipped_secrets:
+                stream.write(f"warning: not copying {secret} (looks like a secret)\n")
 
 
 def read_tar_names(data: bytes) -> list[str]:

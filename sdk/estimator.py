@@ -29,7 +29,7 @@ class Estimator:
                  max_run: int | str | None = None, max_restarts: int | None = None,
                  use_spot_instances: bool = False, checkpoint_s3_uri: str | None = None,
                  role: str | None = None, tags: dict[str, str] | None = None,
-                 clients: dict[str, Any] | None = None):
+                 slurm: dict[str, Any] | None = None, clients: dict[str, Any] | None = None):
         compute: dict[str, Any] = {
             "target": target or ("local" if instance_type in LOCAL_INSTANCE_TYPES
                                  else "sagemaker"),
@@ -49,6 +49,8 @@ class Estimator:
             self.spec_data["checkpoint"] = {"uri": checkpoint_s3_uri}
         if role:
             self.spec_data["sagemaker"] = {"role": role}
+        if slurm:  # the spec's slurm section, for target="slurm"
+            self.spec_data["slurm"] = dict(slurm)
         self.clients = clients
         self.latest_job: JobRecord | None = None
 

@@ -30,7 +30,7 @@ from typing import IO, TYPE_CHECKING, Any
 from dtrain.core.aws import region_of
 from dtrain.core.errors import DtrainError
 from dtrain.core.states import FAILED, FINAL_STATUSES, RUNNING, STOPPED, STOPPING
-from dtrain.launcher import aws, process
+from dtrain.launcher import agents, aws, process
 from dtrain.launcher.base import (
     Handle,
     JobIdentity,
@@ -270,12 +270,9 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         prefix = state.prefix or self.describe(handle)["prefix"]
         s3 = self._clients_of(handle)[1]
         seen: dict[str, int] = {}
-        while True:
-            done = not follow or ended()
-            yield from s3_logs.new_lines(s3, prefix, seen, host=host, rank=rank, final=done)
-            if done:
-                return
-            self.sleep(self.poll_s)
+        yield from agents.follow(
+            lambda final: s3_logs.new_lines(s3, prefix, seen, host=host, rank=rank, final=final),
+            follow=follow, ended=ended, poll_s=self.poll_s, sleep=self.sleep)
 
     def stop(self, handle: Handle, journal: Journal) -> Handle:
         """Terminate every node of the job, then delete the groups dtrain created for it.

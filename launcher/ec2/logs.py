@@ -9,7 +9,6 @@ worker lines the agent echoes into it are left out there, since their rank's obj
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +16,6 @@ from typing import Any
 from dtrain.core import logformat
 from dtrain.core import s3 as s3_uri
 from dtrain.launcher.ec2 import layout
-
-_RANK_LOG = re.compile(r"^rank-(\d+)\.(?:.+\.)?log$")
 
 
 @dataclass(frozen=True)
@@ -38,11 +35,10 @@ def log_objects(s3: Any, prefix: str, *, host: str | None = None,
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{root}/"):
         for item in page.get("Contents", []):
             node, _, name = item["Key"][len(root):].lstrip("/").partition("/")
-            match = _RANK_LOG.match(name)
             if not name.endswith(".log") or host not in (None, node):
                 continue
             found.append(LogObject(item["Key"], item["Size"], node,
-                                   int(match[1]) if match else None))
+                                   logformat.rank_of_log_file(name)))
     return sorted((o for o in found if rank is None or o.rank == rank), key=lambda o: o.key)
 
 

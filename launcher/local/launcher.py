@@ -15,15 +15,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dtrain.core import contract, logformat, s3
+from dtrain.core import contract
 from dtrain.core.errors import DtrainError
 from dtrain.core.states import FAILED, FINAL_STATUSES, STOPPED, STOPPING
-from dtrain.launcher import process
+from dtrain.launcher import agents, process, staging
+from dtrain.launcher.agents import STOP_REASON
 from dtrain.launcher.base import (
     Handle,
     JobIdentity,
@@ -39,9 +39,6 @@ from dtrain.launcher.local import layout
 if TYPE_CHECKING:
     from dtrain.planning.planner import Plan
     from dtrain.spec.model import JobSpec
-
-STOP_REASON = "stopped by user"
-
 
 @dataclass(frozen=True)
 class LocalState(TargetState):
@@ -117,7 +114,7 @@ class LocalLauncher(Launcher):
     def _write_contracts(self, request: Request, job_dir: str) -> None:
         payload = request.payload
         settings = contract.Settings(**payload["settings"])
-        staged = self._stage_inputs(payload["inputs"], job_dir)
+        staged = staging.stage_inputs(payload["inputs"], job_dir, s3_client=self._s3)
         for host in payload["hosts"]:
             paths = contract.write_host_contract(
                 layout.host_root(job_dir, host), current_host=host, hosts=payload["hosts"],
@@ -126,57 +123,12 @@ class LocalLauncher(Launcher):
                 # one folder for all simulated hosts: DCP writes each shard once, from one host
                 checkpoint_local_path=checkpoint_folder(payload, job_dir),
                 network_interface_name="lo")
-            for channel, source in staged.items():
-                target = paths.channel_dir(channel)
-                os.rmdir(target)
-                os.symlink(source, target)
+            staging.link_channels(paths, staged)
         grace = self.grace_period_s
         if grace is None:
             grace = int(os.environ.get(contract.GRACE_PERIOD_ENV, contract.DEFAULT_GRACE_PERIOD_S))
         with open(os.path.join(job_dir, layout.REQUEST_FILE), "w") as f:
             json.dump({**request.to_dict(), "grace_period_s": grace}, f, indent=2, default=str)
-
-    def _stage_inputs(self, inputs: dict[str, str], job_dir: str) -> dict[str, str]:
-        """channel -> a local folder holding its data (S3 downloaded once, shared by hosts)."""
-        staged = {}
-        for channel, uri in inputs.items():
-            if s3.is_s3_uri(uri):
-                staged[channel] = self._download(uri, os.path.join(job_dir, "inputs", channel))
-                continue
-            source = os.path.abspath(os.path.expanduser(uri))
-            if not os.path.exists(source):
-                raise DtrainError(f"inputs.{channel}: {uri!r} does not exist; fix the path")
-            if os.path.isfile(source):
-                folder = os.path.join(job_dir, "inputs", channel)
-                os.makedirs(folder, exist_ok=True)
-                os.symlink(source, os.path.join(folder, os.path.basename(source)))
-                source = folder
-            staged[channel] = source
-        return staged
-
-    def _download(self, uri: str, folder: str) -> str:
-        bucket, prefix = s3.split(uri)
-        client = self._s3
-        if client is None:
-            import boto3
-
-            client = self._s3 = boto3.client("s3")
-        count = 0
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket,
-                                                                     Prefix=prefix):
-            for obj in page.get("Contents", []):
-                key = obj["Key"]
-                rel = os.path.relpath(key, prefix) if prefix and key != prefix \
-                    else os.path.basename(key)
-                if key.endswith("/") or rel.startswith(".."):
-                    continue
-                target = os.path.join(folder, rel)
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                client.download_file(bucket, key, target)
-                count += 1
-        if count == 0:
-            raise DtrainError(f"input {uri}: no objects under this prefix; check the URI")
-        return folder
 
     @staticmethod
     def _start_monitor(job_dir: str) -> dict[str, Any]:
@@ -214,17 +166,12 @@ class LocalLauncher(Launcher):
              ended: Callable[[], bool]) -> Iterator[str]:
         state: LocalState = handle.state
         hosts = [h for h in state.hosts if host in (None, h)]
-        offsets = {h: 0 for h in hosts}
-        while True:
-            done = not follow or ended()
-            new = {h: _read_new_lines(layout.agent_log(state.job_dir, h), offsets, h) for h in hosts}
-            for h, raw in logformat.merge_by_time(new):
-                line = logformat.as_line(h, raw)
-                if rank is None or logformat.rank_of(line) == rank:
-                    yield line
-            if done:
-                return
-            time.sleep(0.25)
+        offsets: dict[str, int] = {}
+
+        def read(_final: bool) -> Iterator[str]:
+            return agents.agent_lines(state.job_dir, hosts, offsets, rank)
+
+        return agents.follow(read, follow=follow, ended=ended, poll_s=0.25)
 
     def stop(self, handle: Handle, journal: Journal) -> Handle:
         if handle.is_final:
@@ -247,16 +194,3 @@ def _update_from(facts: dict[str, Any]) -> Update:
 def _kill_agents(agents: list[dict[str, Any]]) -> None:
     for agent in agents:  # only the agents themselves, not processes that reuse their pids
         process.signal_group(agent, signal.SIGKILL)
-
-
-def _read_new_lines(path: str, offsets: dict[str, int], host: str) -> list[str]:
-    """The complete lines ``host``'s agent log gained since the last read, as written."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offsets[host])
-            data = f.read()
-    except FileNotFoundError:
-        return []
-    end = data.rfind(b"\n") + 1  # hold back a partial last line until it is complete
-    offsets[host] += end
-    return data[:end].decode(errors="replace").splitlines()

@@ -11,18 +11,11 @@ import json
 import os
 from typing import Any
 
+from dtrain.launcher.agents import agent_log, host_root  # noqa: F401 - this layout, shared
+
 REQUEST_FILE = "request.json"
 STATE_FILE = "job_state.json"
 MONITOR_LOG = "monitor.log"
-AGENT_LOG = "agent.log"
-
-
-def host_root(job_dir: str, host: str) -> str:
-    return os.path.join(job_dir, host)
-
-
-def agent_log(job_dir: str, host: str) -> str:
-    return os.path.join(host_root(job_dir, host), "output", AGENT_LOG)
 
 
 def read_state(job_dir: str) -> dict[str, Any]:

@@ -17,9 +17,10 @@ import subprocess
 import sys
 import time
 
-from dtrain.core import contract, logformat, states
-from dtrain.core.states import COMPLETED, FAILED, RUNNING, STARTING, STOPPED
+from dtrain.core import contract, logformat
+from dtrain.core.states import COMPLETED, FAILED, RUNNING, STARTING
 from dtrain.launcher import process
+from dtrain.launcher.agents import final_state
 from dtrain.launcher.local.layout import (
     REQUEST_FILE,
     agent_log,
@@ -79,49 +80,8 @@ def _signal_groups(agents: list[subprocess.Popen], sig: int) -> None:
             pass
 
 
-def host_reports(request: dict, job_dir: str) -> list[tuple[dict, str]]:
-    """(failure.json, failure text) of every host that wrote them."""
-    found = []
-    for host in request["payload"]["hosts"]:
-        paths = contract.Paths(host_root(job_dir, host))
-        try:
-            with open(paths.failure_details_file) as f:
-                details = json.load(f)
-            with open(paths.failure_file) as f:
-                text = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        if isinstance(details, dict):
-            found.append((details, text))
-    return found
-
-
-def root_cause(request: dict, job_dir: str) -> str:
-    """The earliest failure any host reported (other hosts usually fail as a consequence).
-
-    max_run comes first, then crashes, then interruptions (which a crash elsewhere can cause).
-    """
-    found = [({"max_run": 0, "interrupted": 2}.get(details.get("reason"), 1),
-              details.get("timestamp") or 0, text)
-             for details, text in host_reports(request, job_dir)]
-    return min(found)[2] if found else ""
-
-
-def final_state(request: dict, job_dir: str, codes: list[int], *,
-                stopped_by_user: bool) -> tuple[str, str | None]:
-    """(status, failure reason) from the agents' exit codes and reports.
-
-    Every agent exiting 0 is Completed even after a stop: the workers finished the job (a stop
-    during the final model save lets it finish). A stop that cut the final model save short says
-    so, since the model then has to come from the last checkpoint.
-    """
-    if states.outcome(codes) == COMPLETED:
-        return COMPLETED, None
-    if stopped_by_user:
-        notes = [d["model_note"] for d, _ in host_reports(request, job_dir) if d.get("model_note")]
-        return STOPPED, "stopped by user" + (f"; {notes[0]}" if notes else "")
-    reason = root_cause(request, job_dir) or f"node agent exit codes {codes}; see `dtrain logs`"
-    return states.outcome(codes), reason
+def host_roots(request: dict, job_dir: str) -> list[str]:
+    return [host_root(job_dir, host) for host in request["payload"]["hosts"]]
 
 
 def supervise(request: dict, job_dir: str, stop_requested: list) -> None:
@@ -145,7 +105,7 @@ def supervise(request: dict, job_dir: str, stop_requested: list) -> None:
             break
         time.sleep(0.2)
     stop_agents(agents, grace)  # a stop, or one host failed (or still runs): the job is over
-    status, reason = final_state(request, job_dir, [a.returncode for a in agents],
+    status, reason = final_state([a.returncode for a in agents], host_roots(request, job_dir),
                                  stopped_by_user=bool(stop_requested))
     write_state(job_dir, status=status, failure_reason=reason, ended_at=time.time())
 

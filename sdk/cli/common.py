@@ -10,6 +10,10 @@ from typing import Any
 
 import click
 
+# compute.target's values (dtrain.spec.model.Compute), for --target; kept here so the CLI's
+# options need no spec import, and checked against the spec by tests/unit/test_slurm_spec.py
+TARGETS = ("local", "sagemaker", "ec2", "slurm")
+
 OUTPUT_OPTION = click.option(
     "--output", "-o", "output", type=click.Choice(["text", "json"]), default="text",
     show_default=True, help="Print for people (text) or for programs (json).",
@@ -21,7 +25,7 @@ def spec_options(func: Callable | None = None, *, required: bool = True) -> Call
     if func is None:
         return lambda f: spec_options(f, required=required)
     func = click.option(
-        "--target", type=click.Choice(["local", "sagemaker", "ec2"]), default=None,
+        "--target", type=click.Choice(TARGETS), default=None,
         help="Override compute.target (same as --set compute.target=...).",
     )(func)
     func = click.option(

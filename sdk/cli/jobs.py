@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import click
-from dtrain.cli.common import OUTPUT_OPTION, echo_json, load_spec, spec_options
+from dtrain.cli.common import OUTPUT_OPTION, TARGETS, echo_json, load_spec, spec_options
 
 _RANK_ZERO = re.compile(r"^\[\S+ 0\]:")
 
@@ -197,7 +197,7 @@ def _interrupted(record: Any, *, stop: bool) -> None:
 
 
 @click.command("list")
-@click.option("--target", type=click.Choice(["local", "sagemaker", "ec2"]), default=None,
+@click.option("--target", type=click.Choice(TARGETS), default=None,
               help="Only jobs of this target.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
               help="Newest N jobs.")

@@ -124,8 +124,11 @@ def get(name: str) -> InstanceType:
     )
 
 
-def efa_environment(instance_type: str, network_interface_name: str) -> dict[str, str]:
-    """NCCL/libfabric settings for EFA instance types (per the catalog); empty elsewhere."""
+def efa_environment(instance_type: str, network_interface_name: str | None) -> dict[str, str]:
+    """NCCL/libfabric settings for EFA instance types (per the catalog); empty elsewhere.
+
+    Without ``network_interface_name`` (a Slurm job's script, written before a node is known)
+    the settings that do not name an interface."""
 
     try:
         facts = get(instance_type)
@@ -133,7 +136,9 @@ def efa_environment(instance_type: str, network_interface_name: str) -> dict[str
         return {}  # a type the catalog does not know: leave NCCL to its defaults
     if not facts.efa_interfaces:
         return {}
-    env = {"FI_PROVIDER": "efa", "NCCL_SOCKET_IFNAME": network_interface_name}
+    env = {"FI_PROVIDER": "efa"}
+    if network_interface_name:
+        env["NCCL_SOCKET_IFNAME"] = network_interface_name
     if facts.gpudirect_rdma:
         env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     return env

@@ -15,6 +15,9 @@ _RANK_LINE = re.compile(r"^\[(\S+) (\d+)\]:")
 # `dtrain logs` merges the hosts' lines in time order by it, and prints them without it.
 STAMP_ENV = "DTRAIN_STAMP_LOGS"
 _STAMP = re.compile(r"^@(\d+\.\d+) ")
+# A rank's own log files in the contract's output/logs, as the node agent names them:
+# rank-<r>.stdout.log, rank-<r>.stderr.log, rank-<r>.attempt-<n>.stdout.log after a restart.
+_RANK_LOG_FILE = re.compile(r"^rank-(\d+)\.(?:.+\.)?log$")
 
 
 def rank_prefix_template(host: str) -> str:
@@ -57,6 +60,12 @@ def merge_by_time(per_host: dict[str, list[str]]) -> list[tuple[str, str]]:
             last = last if when is None else when
             timed.append((last, host, index, line))
     return [(host, line) for _when, host, _index, line in sorted(timed)]
+
+
+def rank_of_log_file(name: str) -> int | None:
+    """The rank whose log file ``name`` is (``rank-3.stderr.log`` -> 3); None for other files."""
+    match = _RANK_LOG_FILE.match(name)
+    return int(match.group(1)) if match else None
 
 
 def as_line(host: str, raw: str) -> str:

@@ -56,19 +56,21 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-DEFAULT_MAX_RUN_S = {"local": 2 * 3600, "sagemaker": 86400, "ec2": 86400}
+DEFAULT_MAX_RUN_S = {"local": 2 * 3600, "sagemaker": 86400, "ec2": 86400, "slurm": 86400}
 
 
 class Compute(_Model):
     """Where the job runs and on what."""
 
-    target: Literal["local", "sagemaker", "ec2"] = Field(
-        "local", description="Where the job runs: this machine, SageMaker training jobs, or EC2."
+    target: Literal["local", "sagemaker", "ec2", "slurm"] = Field(
+        "local", description="Where the job runs: this machine, SageMaker training jobs, EC2, "
+        "or a Slurm cluster (HyperPod, ParallelCluster) from its login node.",
     )
     instance_type: str = Field(
         "local",
         description="Instance type from the catalog (`dtrain instances`), e.g. p4d.24xlarge or "
-        "ml.p4d.24xlarge; `local` (CPU processes) or `local_gpu` for this machine.",
+        "ml.p4d.24xlarge; `local` (CPU processes) or `local_gpu` for this machine; on Slurm, "
+        "the nodes' type, or `local` for CPU nodes.",
     )
     instance_count: int = Field(1, ge=1, le=512, description="Number of instances (hosts).")
     processes_per_instance: int | None = Field(
@@ -272,6 +274,48 @@ class Ec2Options(_Model):
         return value
 
 
+class SlurmOptions(_Model):
+    """Settings used only with `compute.target: slurm` (HyperPod, ParallelCluster, any Slurm)."""
+
+    shared_dir: str | None = Field(
+        None, description="Folder on the cluster's shared file system (e.g. /fsx/dtrain) that "
+        "the login node and every compute node see at the same path; each job gets "
+        "`<shared_dir>/<job id>/` for its contract, logs, checkpoints and model. Required.",
+    )
+    partition: str | None = Field(
+        None, description="Partition (`--partition`); default: the cluster's default one."
+    )
+    account: str | None = Field(None, description="Account to charge (`--account`).")
+    qos: str | None = Field(None, description="Quality of service (`--qos`).")
+    exclusive: bool = Field(
+        True, description="Whole nodes (`--exclusive`): no other job shares their GPUs and "
+        "network cards.",
+    )
+    gpus_per_node: int | None = Field(
+        None, ge=0, le=64, description="GPUs per node (`--gpus-per-node`); default: the "
+        "instance type's, from the catalog; 0: request none (a cluster without GPU GRES).",
+    )
+    python: str | None = Field(
+        None, description="Python on the compute nodes that has `dtrain[runtime]`; default: "
+        "the one running dtrain (its environment must be on the shared file system), or "
+        "`python` in `container_image`.",
+    )
+    container_image: str | None = Field(
+        None, description="Run each node's agent in this image with Pyxis/enroot "
+        "(`srun --container-image`); it needs torch, dtrain is installed into it from the "
+        "job's wheel.",
+    )
+    container_mounts: list[str] = Field(
+        default_factory=list, description="More `--container-mounts` as `SRC:DST`; the job's "
+        "folder and local input folders are mounted at their own paths already.",
+    )
+    extra_sbatch: list[str] = Field(
+        default_factory=list, description="More `#SBATCH` options, e.g. `--constraint=p4d` or "
+        "`--mail-type=END`; not those dtrain sets from the spec (nodes, tasks, time, GPUs, "
+        "partition, account, qos, job name, output).",
+    )
+
+
 # The folder relative paths in the spec resolve against while it is validated (from_file: the
 # spec file's folder); a context variable because pydantic's validation context does not reach
 # a model built by its own __init__.
@@ -317,6 +361,7 @@ class JobSpec(_Model):
         default_factory=SageMakerOptions, description="SageMaker-only settings."
     )
     ec2: Ec2Options = Field(default_factory=Ec2Options, description="EC2-only settings.")
+    slurm: SlurmOptions = Field(default_factory=SlurmOptions, description="Slurm-only settings.")
 
     # --- construction -------------------------------------------------------------------
 

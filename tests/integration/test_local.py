@@ -103,10 +103,10 @@ def test_s3_inputs_are_downloaded_into_every_host_channel(tmp_path, monkeypatch)
         s3.create_bucket(Bucket="data")
         s3.put_object(Bucket="data", Key="corpus/part-0.txt", Body=b"hello")
         s3.put_object(Bucket="data", Key="corpus/sub/part-1.txt", Body=b"world")
-        from dtrain.launcher.local.launcher import LocalLauncher
+        from dtrain.launcher.staging import stage_inputs
 
-        staged = LocalLauncher(s3_client=s3)._stage_inputs(
-            {"train": "s3://data/corpus"}, str(tmp_path / "job"))
+        staged = stage_inputs({"train": "s3://data/corpus"}, str(tmp_path / "job"),
+                              s3_client=s3)
     folder = staged["train"]
     assert Path(f"{folder}/part-0.txt").read_text() == "hello"
     assert Path(f"{folder}/sub/part-1.txt").read_text() == "world"

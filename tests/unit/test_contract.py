@@ -121,6 +121,9 @@ def test_efa_variables_only_on_efa_instance_types():
     assert "FI_EFA_USE_DEVICE_RDMA" not in instances.efa_environment("g5.48xlarge", "eth0")
     assert instances.efa_environment("ml.g5.xlarge", "eth0") == {}
     assert instances.efa_environment("local", "lo") == {}
+    # a Slurm job's script, written before its nodes are known, names no interface
+    assert instances.efa_environment("p4d.24xlarge", None) == {
+        "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1"}
 
 
 def test_contract_module_imports_only_the_standard_library():

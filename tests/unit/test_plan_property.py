@@ -31,7 +31,7 @@ MODELS = [None, "gpt-neox-tiny", "pythia-1b", "gpt-neox-20b"]
 
 @st.composite
 def specs(draw) -> dict:
-    target = draw(st.sampled_from(["local", "sagemaker", "ec2"]))
+    target = draw(st.sampled_from(["local", "sagemaker", "ec2", "slurm"]))
     if target == "local":
         compute = {"instance_type": "local", "instance_count": draw(st.integers(1, 4)),
                    "processes_per_instance": draw(st.integers(1, 4))}
@@ -53,8 +53,9 @@ def specs(draw) -> dict:
         "name": "prop", "entry_point": "recipe:causal_lm",
         "hyperparameters": {"model": model} if model else {"steps": 1},
         "compute": {"target": target, **compute}, "distribution": distribution,
-        "output_path": None if target == "local" else "s3://dtrain-bucket/out",
+        "output_path": "s3://dtrain-bucket/out" if target in ("sagemaker", "ec2") else None,
         "sagemaker": {"role": "arn:aws:iam::111122223333:role/Training"},
+        "slurm": {"shared_dir": "/fsx/dtrain"},
     }
 
 

@@ -21,12 +21,12 @@ IMAGES = [None, "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2
 
 @st.composite
 def specs(draw) -> dict:
-    target = draw(st.sampled_from(["local", "sagemaker", "ec2"]))
-    cloud = target != "local"
+    target = draw(st.sampled_from(["local", "sagemaker", "ec2", "slurm"]))
+    cloud = target in ("sagemaker", "ec2")
     compute = {"target": target,
                "instance_type": draw(st.sampled_from(
                    ["p4d.24xlarge", "ml.p5.48xlarge", "g5.12xlarge", "p5e.48xlarge", "local"]
-                   if cloud else ["local", "p4d.24xlarge"])),
+                   if target != "local" else ["local", "p4d.24xlarge"])),
                "instance_count": draw(st.integers(1, 4)),
                "use_spot": draw(sometimes(True, otherwise=False)),
                "max_run": draw(st.sampled_from([600, "2h", "2d"]))}
@@ -52,6 +52,8 @@ def specs(draw) -> dict:
                 "capacity_reservation_id": draw(sometimes("cr-0123", otherwise=None)),
                 "ssh_cidr": draw(st.sampled_from([None, "203.0.113.7/32"])),
                 "image_uri": draw(sometimes(*IMAGES[1:], otherwise=None))},
+        "slurm": {"shared_dir": draw(sometimes(None, "/fsx/my jobs", otherwise="/fsx/dtrain")),
+                  "extra_sbatch": draw(sometimes(["--nodes=3"], otherwise=[]))},
     }
     if cloud:
         data["output_path"] = draw(sometimes(None, otherwise="s3://out-bkt/dtrain"))
@@ -84,13 +86,13 @@ def test_whatever_validate_accepts_submit_dry_run_accepts(data, tmp_path_factory
         assert request.target == spec.compute.target
 
 
-@pytest.mark.parametrize("target", ["local", "sagemaker", "ec2"])
+@pytest.mark.parametrize("target", ["local", "sagemaker", "ec2", "slurm"])
 def test_a_plain_spec_of_every_target_is_accepted_and_dry_runs(target):
     data = {"name": "p", "entry_point": "recipe:causal_lm",
             "compute": {"target": target,
                         "instance_type": "local" if target == "local" else "p4d.24xlarge"},
-            "sagemaker": {"role": ROLE}}
-    if target != "local":
+            "sagemaker": {"role": ROLE}, "slurm": {"shared_dir": "/fsx/dtrain"}}
+    if target in ("sagemaker", "ec2"):
         data["output_path"] = "s3://out-bkt/d"
     assert jobs.submit(accepted(data), dry_run=True).target == target
 

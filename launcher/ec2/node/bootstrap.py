@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.core import checkpoint_layout, contract, s3, states
+from dtrain.launcher.agents import default_interface
 from dtrain.launcher.ec2 import layout
 
 # The instance metadata service; AWS's SDKs read the same variable to point elsewhere.
@@ -73,19 +74,6 @@ def spot_notice() -> dict | None:
         if exc.code == 404:
             return None
         raise
-
-
-def default_interface() -> str:
-    """The interface of the default route (``ens32`` on p4d, not ``eth0``); NCCL binds to it."""
-    try:
-        with open("/proc/net/route") as fh:
-            for line in fh.readlines()[1:]:
-                fields = line.split()
-                if len(fields) > 1 and fields[1] == "00000000":
-                    return fields[0]
-    except OSError:
-        pass
-    return "eth0"
 
 
 # ---------------------------------------------------------------- S3 helpers

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dtrain.core import names
-from dtrain.spec.rules import ec2, local, sagemaker
+from dtrain.spec.rules import ec2, local, sagemaker, slurm
 from dtrain.spec.rules.common import COMMON_RULES, Findings
 
 if TYPE_CHECKING:
     from dtrain.spec.model import JobSpec
 
-TARGET_RULES = {"local": local.RULES, "sagemaker": sagemaker.RULES, "ec2": ec2.RULES}
+TARGET_RULES = {"local": local.RULES, "sagemaker": sagemaker.RULES, "ec2": ec2.RULES,
+                "slurm": slurm.RULES}
 
 
 def check_spec(spec: JobSpec, base_dir: Path) -> tuple[list[str], list[str]]:

@@ -32,9 +32,10 @@ def instance_fits_target(spec, ctx: Findings) -> None:
     if compute.target == "local" and not inst.is_local:
         ctx.problems.append(
             f"compute.instance_type: {inst.name!r} is a cloud instance type but compute.target is "
-            "'local'; use instance_type 'local' (CPU) or 'local_gpu', or target sagemaker/ec2"
+            "'local'; use instance_type 'local' (CPU) or 'local_gpu', or target "
+            "sagemaker/ec2/slurm"
         )
-    elif compute.target != "local" and inst.is_local:
+    elif compute.target in ("sagemaker", "ec2") and inst.is_local:  # slurm: rules/slurm.py
         ctx.problems.append(
             f"compute.instance_type: {inst.name!r} runs only on this machine; pick a cloud "
             f"instance type for target {compute.target!r}, e.g. 'p4d.24xlarge'"

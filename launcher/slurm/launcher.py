@@ -1,0 +1,179 @@
+"""The Slurm backend: ``sbatch`` from the login node, one node agent per node with ``srun``.
+
+``build_request`` is pure (``script``): the batch script, the ``sbatch`` command line, and what
+each node writes its contract from. ``submit`` makes the job's folder under ``slurm.shared_dir``
+(the code copied in, the runtime wheel for a container image, S3 inputs downloaded, the script
+written exactly as dry-run printed it) and runs ``sbatch --parsable``. ``status`` asks
+``squeue`` (``sacct`` once squeue has forgotten the job) and reads the nodes' reports in the job's
+folder (``layout``); ``stop`` is ``scancel``: Slurm's SIGTERM, then SIGKILL after its KillWait,
+so the workers checkpoint first. Nothing here writes the job store.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+from dtrain.core import contract, logformat
+from dtrain.core.errors import DtrainError
+from dtrain.core.states import PENDING, STOPPED, STOPPING
+from dtrain.launcher import agents, packaging, staging
+from dtrain.launcher.agents import STOP_REASON, new_lines
+from dtrain.launcher.base import Launcher, Request, TargetState, Update, Upload, runtime_settings
+from dtrain.launcher.slurm import commands, layout, script, states
+
+if TYPE_CHECKING:
+    from dtrain.launcher.base import Handle, JobIdentity, Journal
+    from dtrain.planning.planner import Plan
+    from dtrain.spec.model import JobSpec
+
+
+@dataclass(frozen=True)
+class SlurmState(TargetState):
+    job_dir: str | None = None
+    slurm_job_id: str | None = None
+    hosts: list[str] = field(default_factory=list)  # the job's nodes, once it has them
+    checkpoint_dir: str | None = None
+    model_data: str | None = None  # the first node's model/, where rank 0 writes the model
+    stop_requested_at: float | None = None
+
+
+class SlurmLauncher(Launcher):
+    name = "slurm"
+    state_type = SlurmState
+    poll_s = 2.0  # each status is one squeue call to slurmctld, shared by the whole cluster
+
+    def __init__(self, *, s3_client: Any = None, stream: IO[str] | None = None):
+        self._s3 = s3_client
+        self.stream = stream
+
+    # ---------------------------------------------------------------- request and submit
+
+    def build_request(self, spec: JobSpec, plan: Plan, job: JobIdentity) -> Request:
+        job_dir = os.path.join(spec.slurm.shared_dir, job.id)
+        code_dir = os.path.join(job_dir, layout.CODE_DIR)
+        has_code = spec.source_dir is not None and not spec.is_recipe
+        settings = runtime_settings(spec, plan, job_name=job.name,
+                                    instance_type=spec.compute.instance_type,
+                                    processes_per_host=plan.processes_per_node,
+                                    source_dir=code_dir if has_code else None)
+        uploads = [Upload(spec.source_dir, code_dir)] if has_code else []
+        if spec.slurm.container_image:
+            uploads.append(Upload(packaging.WHEEL, os.path.join(job_dir, layout.WHEEL_DIR)))
+        return Request(target=self.name, job=job, uploads=tuple(uploads), payload={
+            "job_dir": job_dir,
+            "sbatch": script.sbatch_command(job_dir),
+            "script": script.build_script(spec, plan, job_id=job.id, job_name=job.name,
+                                          job_dir=job_dir),
+            "node": {"settings": settings.__dict__,
+                     "hyperparameters": dict(spec.hyperparameters),
+                     "checkpoint_dir": spec.checkpoint.uri or
+                     os.path.join(job_dir, "checkpoints")},
+            "inputs": dict(spec.inputs),
+        })
+
+    def submit(self, request: Request, journal: Journal) -> Handle:
+        """Make the job's folder and ``sbatch`` the script; on failure remove the folder."""
+        payload = request.payload
+        job_dir = payload["job_dir"]
+        shared = os.path.dirname(job_dir)
+        if not os.path.isdir(shared):
+            raise DtrainError(f"slurm.shared_dir: {shared!r} is not a folder on this machine; "
+                              "run dtrain on the login node and create it on the shared file "
+                              f"system (mkdir -p {shared})")
+        journal.record(Update(log_location=job_dir, output_location=job_dir,
+                              state=SlurmState.changes(
+                                  job_dir=job_dir,
+                                  checkpoint_dir=payload["node"]["checkpoint_dir"])))
+        try:
+            os.makedirs(job_dir, exist_ok=False)
+            self._prepare(request, job_dir)
+            slurm_job_id = commands.submit(payload["sbatch"])
+        except BaseException as exc:
+            shutil.rmtree(job_dir, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise DtrainError(f"slurm job {request.job.id}: could not prepare {job_dir}: "
+                                  f"{exc}") from exc
+            raise
+        return journal.record(Update(status=PENDING, state=SlurmState.changes(
+            slurm_job_id=slurm_job_id, secondary_status=f"submitted as Slurm job {slurm_job_id}")))
+
+    def _prepare(self, request: Request, job_dir: str) -> None:
+        """Everything the nodes read, in the job's folder, before sbatch sees the script."""
+        payload = request.payload
+        packaging.place_all(request.uploads, stream=self.stream or sys.stderr)
+        staged = staging.stage_inputs(payload["inputs"], job_dir, s3_client=self._s3)
+        layout.write_json(os.path.join(job_dir, layout.NODE_CONFIG_FILE),
+                          {**payload["node"], "channels": staged})
+        os.makedirs(payload["node"]["checkpoint_dir"], exist_ok=True)
+        with open(os.path.join(job_dir, layout.SCRIPT_FILE), "w") as fh:
+            fh.write(payload["script"])
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def status(self, handle: Handle) -> Update:
+        state: SlurmState = handle.state
+        if handle.is_final or not state.slurm_job_id:
+            return Update()
+        slurm = commands.job_state(state.slurm_job_id)
+        hosts = layout.read_hosts(state.job_dir) or list(state.hosts)
+        reports = layout.read_statuses(state.job_dir, hosts)
+        facts = SlurmState.changes(hosts=hosts, **(
+            {"model_data": contract.Paths(layout.host_root(state.job_dir, min(hosts))).model_dir}
+            if hosts else {}))
+        started = [r["started_at"] for r in reports.values() if r.get("started_at")]
+        started_at = min(started) if started else None
+        if not states.has_ended(slurm):
+            status, secondary = states.progress(slurm)
+            if handle.status == STOPPING:
+                status = None  # a stop under way stays Stopping until the job has ended
+            return Update(status=status, started_at=started_at,
+                          state={**facts, **SlurmState.changes(secondary_status=secondary)})
+        status, reason = states.ending(
+            slurm, reports, [layout.host_root(state.job_dir, h) for h in hosts],
+            stop_requested=handle.status == STOPPING or bool(state.stop_requested_at),
+            job_id=state.slurm_job_id, checkpoint_dir=state.checkpoint_dir,
+            output=layout.batch_output(state.job_dir, state.slurm_job_id))
+        ended = [r["ended_at"] for r in reports.values() if r.get("ended_at")]
+        return Update(status=status, failure_reason=reason, started_at=started_at,
+                      ended_at=max(ended) if ended else time.time(),
+                      state={**facts, **SlurmState.changes(
+                          secondary_status=slurm.state if slurm else None)})
+
+    def hosts(self, handle: Handle) -> list[str] | None:
+        state: SlurmState = handle.state
+        return list(state.hosts) or (layout.read_hosts(state.job_dir) if state.job_dir
+                                     else None) or None
+
+    def logs(self, handle: Handle, *, follow: bool, host: str | None, rank: int | None,
+             ended: Callable[[], bool]) -> Iterator[str]:
+        state: SlurmState = handle.state
+        offsets: dict[str, int] = {}
+
+        def read(_final: bool) -> Iterator[str]:
+            hosts = layout.read_hosts(state.job_dir) if state.job_dir else []
+            yield from agents.agent_lines(state.job_dir, [h for h in hosts if host in (None, h)],
+                                          offsets, rank)
+            if hosts and host in (None, hosts[0]) and rank is None and state.slurm_job_id:
+                # the batch script runs on the job's first node: its output is that node's
+                path = layout.batch_output(state.job_dir, state.slurm_job_id)
+                yield from (logformat.host_line(hosts[0], text)
+                            for text in new_lines(path, offsets))
+
+        return agents.follow(read, follow=follow, ended=ended, poll_s=0.5)
+
+    def stop(self, handle: Handle, journal: Journal) -> Handle:
+        if handle.is_final:
+            return handle
+        state: SlurmState = handle.state
+        handle = journal.record(Update(status=STOPPING, state=SlurmState.changes(
+            stop_requested_at=time.time())))
+        if not state.slurm_job_id:  # sbatch never answered: there is nothing to cancel
+            return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON))
+        commands.cancel(state.slurm_job_id)
+        return journal.current()

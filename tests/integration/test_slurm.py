@@ -1,0 +1,155 @@
+"""The Slurm target against a real Slurm: two nodes started here, real sbatch, srun and scancel.
+
+Run with ``python -m pytest -q -m slurm`` (as root, with ``apt-get install -y slurm-wlm munge``);
+without Slurm every test here fails with one line naming that command. One cluster serves the
+module (``_slurm_cluster``); it is stopped and its namespaces removed even when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import _slurm_cluster
+import pytest
+from dtrain import Estimator
+from dtrain.jobs import api as jobs
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "local-cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    _slurm_cluster.require_slurm()
+    running = _slurm_cluster.SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    # a SIGTERM (a CI timeout) ends the session through the teardown, not around it
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield running.start()
+    finally:
+        running.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
+@pytest.fixture
+def shared(cluster, tmp_path, monkeypatch):
+    """The login node's environment for this cluster, and a shared folder for the jobs."""
+    for key, value in cluster.env.items():
+        monkeypatch.setenv(key, value)
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    return folder
+
+
+def dtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ), check=False)
+
+
+def example_on_slurm(shared: Path, *overrides: str) -> list[str]:
+    return [str(EXAMPLE), "--target", "slurm", "--set", f"slurm.shared_dir={shared}",
+            *(item for override in overrides for item in ("--set", override))]
+
+
+def test_main_example_runs_on_two_nodes_with_falling_loss(shared, cluster):
+    done = dtrain("submit", *example_on_slurm(shared))
+    assert done.returncode == 0, done.stdout + done.stderr
+    losses = [float(x) for x in
+              re.findall(r"^step \d+ · loss ([\d.]+)", done.stdout, re.MULTILINE)]
+    assert len(losses) == 4 and losses[-1] < losses[0] * 0.7, done.stdout
+    record = jobs.get(re.search(r"submitted (\w+)", done.stdout)[1])
+    assert record.status == "Completed" and record.target_data["hosts"] == ["n1", "n2"]
+    listed = dtrain("list", "--target", "slurm", "-o", "json")
+    assert [(r["id"], r["status"]) for r in json.loads(listed.stdout)] == \
+        [(record.id, "Completed")]
+    model = Path(record.target_data["model_data"])
+    assert (model / "model.safetensors").stat().st_size > 100_000
+    assert (model / "config.json").exists()
+    # every rank ran on the node Slurm gave it, and dtrain logs reads their files
+    lines = list(jobs.logs(record.id))
+    metrics = {line.split("]:")[0] for line in lines if "]:dtrain-metrics " in line}
+    assert metrics == {"[n1 0"}, "rank 0 logs the metrics"
+    on_n2 = {line.split("]:")[0] for line in jobs.logs(record.id, host="n2") if "]:" in line}
+    assert on_n2 == {"[n2 2", "[n2 3"}
+    assert cluster.node_processes() == []
+
+
+def test_stop_checkpoints_on_sigterm_and_a_resubmit_resumes(shared, cluster):
+    checkpoints = shared / "checkpoints"
+    overrides = example_on_slurm(shared, "hyperparameters.steps=2000",
+                                 "hyperparameters.checkpoint_interval=100000",
+                                 f"checkpoint.uri={checkpoints}")
+    done = dtrain("submit", *overrides, "--no-wait")
+    assert done.returncode == 0, done.stderr
+    job = re.search(r"submitted (\w+)", done.stdout)[1]
+    wait_for_line(job, r"dtrain-metrics step=20 ")
+    stopped = dtrain("stop", job, "--wait")
+    assert stopped.returncode == 0 and stopped.stdout.strip().endswith("Stopped"), stopped.stdout
+    record = jobs.get(job)
+    assert record.failure_reason == "stopped by user"
+    saved = sorted(checkpoints.glob("step-*"))
+    assert len(saved) == 1 and (saved[0] / "COMPLETE").exists(), saved  # written on SIGTERM
+    step = int(saved[0].name.split("-")[1])
+    assert 20 <= step < 2000
+    assert cluster.node_processes() == [], "a process outlived the stop on a node"
+
+    again = dtrain("submit", *example_on_slurm(
+        shared, f"hyperparameters.steps={step + 20}", "hyperparameters.checkpoint_interval=100000",
+        f"checkpoint.uri={checkpoints}"))
+    assert again.returncode == 0, again.stdout + again.stderr
+    resumed = re.search(r"submitted (\w+)", again.stdout)[1]
+    assert any(f"resumed from {saved[0]} at step {step}" in line for line in jobs.logs(resumed))
+
+
+def test_a_worker_that_raises_fails_the_job_naming_rank_and_error(shared, cluster, tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text(textwrap.dedent("""
+        import os, time
+        if os.environ["RANK"] == "3":
+            raise KeyError("no such column: tokens")
+        time.sleep(120)
+        """))
+    estimator = Estimator(entry_point="train.py", source_dir=str(code), target="slurm",
+                          instance_type="local", instance_count=2, processes_per_instance=2,
+                          max_run=300, slurm={"shared_dir": str(shared)})
+    started = time.monotonic()
+    record = estimator.fit()
+    assert record.status == "Failed"
+    assert record.failure_reason.startswith("rank 3 on n2 exited with code 1"), \
+        record.failure_reason
+    assert "KeyError: 'no such column: tokens'" in record.failure_reason
+    assert time.monotonic() - started < 90, "the other node was not stopped at once"
+    assert cluster.node_processes() == []
+
+
+def test_without_slurm_the_tests_fail_with_the_install_command(tmp_path):
+    with pytest.raises(pytest.fail.Exception) as failed:
+        _slurm_cluster.require_slurm(path=str(tmp_path))  # a PATH without Slurm's commands
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("Slurm is not installed (munged,")
+    assert message.endswith(": apt-get install -y slurm-wlm munge; "
+                            "apt-get install -y iproute2 util-linux")
+
+
+def wait_for_line(job: str, pattern: str, *, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(re.search(pattern, line) for line in jobs.logs(job, rank=0)):
+        record = jobs.get(job)
+        assert not record.is_final, f"job ended before {pattern!r}: {record.failure_reason}"
+        assert time.monotonic() < deadline, f"no {pattern!r} in {timeout_s} s"
+        time.sleep(1)
