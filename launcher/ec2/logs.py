@@ -1,10 +1,11 @@
 """An EC2 job's log lines, read from ``{prefix}/logs/<host>/`` in the ``logformat`` format.
 
-Each node uploads its log folder every 30 s while it runs and once more at the end, with the
-bootstrap's own log. A rank's log objects (``rank-<r>.stdout.log``, ``rank-<r>.stderr.log``,
-``.attempt-<n>`` for restarts) hold the worker's raw lines: they become ``[host r]:line``. Every
-other log object (``bootstrap.log``: the bootstrap and the node agent) gives ``[host] line``; the
-worker lines the agent echoes into it are left out there, since their rank's object has them.
+Each node uploads its log folder and its own log (``bootstrap.log``: the bootstrap's lines and
+the node agent's, every worker line echoed by the agent) every 30 s while it runs and once more
+at the end. ``dtrain logs`` reads the nodes' own logs: the agent stamps its lines with their
+time (``logformat.STAMP_ENV``), so the hosts' lines are merged in the order they were written.
+A rank's log objects (``rank-<r>.stdout.log``, ``rank-<r>.stderr.log``, ``.attempt-<n>`` for
+restarts) hold the same worker lines raw, for whoever downloads them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ class LogObject:
     rank: int | None  # None: the bootstrap's or the agent's log
 
 
-def log_objects(s3: Any, prefix: str, *, host: str | None = None,
-                rank: int | None = None) -> list[LogObject]:
-    """The job's ``.log`` objects, by host and name; only ``host``'s / ``rank``'s if given."""
+def log_objects(s3: Any, prefix: str, *, host: str | None = None) -> list[LogObject]:
+    """The job's ``.log`` objects, by host and name; only ``host``'s if given."""
     folder = layout.logs_folder(prefix)
     bucket, root = s3_uri.split(folder)
     found = []
@@ -39,25 +39,27 @@ def log_objects(s3: Any, prefix: str, *, host: str | None = None,
                 continue
             found.append(LogObject(item["Key"], item["Size"], node,
                                    logformat.rank_of_log_file(name)))
-    return sorted((o for o in found if rank is None or o.rank == rank), key=lambda o: o.key)
+    return sorted(found, key=lambda o: o.key)
 
 
 def new_lines(s3: Any, prefix: str, seen: dict[str, int], *, host: str | None,
               rank: int | None, final: bool) -> Iterator[str]:
-    """Lines added to the job's log objects since the last call (``seen``: bytes read of each).
+    """Lines added to the nodes' own logs since the last call (``seen``: bytes read of each),
+    every host's in time order; only ``host``'s / ``rank``'s if given.
 
     A line still being written (no newline yet) waits for the next call, unless ``final``.
     """
     bucket, _ = s3_uri.split(prefix)
-    for obj in log_objects(s3, prefix, host=host, rank=rank):
+    new: dict[str, list[str]] = {}
+    for obj in log_objects(s3, prefix, host=host):
         start = seen.get(obj.key, 0)
-        if obj.size <= start:
+        if obj.rank is not None or obj.size <= start:
             continue
         body = s3.get_object(Bucket=bucket, Key=obj.key, Range=f"bytes={start}-")["Body"].read()
         end = len(body) if final else body.rfind(b"\n") + 1
         seen[obj.key] = start + end
-        for text in body[:end].decode(errors="replace").splitlines():
-            if obj.rank is not None:
-                yield logformat.rank_line(obj.host, obj.rank, text)
-            elif logformat.rank_of(text) is None:
-                yield logformat.host_line(obj.host, text)
+        new.setdefault(obj.host, []).extend(body[:end].decode(errors="replace").splitlines())
+    for node, raw in logformat.merge_by_time(new):
+        line = logformat.as_line(node, raw)
+        if rank is None or logformat.rank_of(line) == rank:
+            yield line

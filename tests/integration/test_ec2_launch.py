@@ -561,33 +561,39 @@ def put_log(aws, record, rel: str, body: bytes) -> None:
     aws["s3"].put_object(Bucket=BUCKET, Key=f"{key}/logs/{rel}", Body=body)
 
 
-def test_logs_read_as_on_every_target_rank_lines_from_rank_logs_host_lines_otherwise(aws):
+def test_logs_merge_the_nodes_own_logs_in_time_order_in_the_format_of_every_target(aws):
     target = ec2_target(aws, assume_yes=True)
     record = target.submit()
-    put_log(aws, record, "10.0.0.1/bootstrap.log",  # the agent echoes each worker line
-            b"dtrain: node 0 installing\n[10.0.0.1 0]:step 1\nagent: workers exited\n")
-    put_log(aws, record, "10.0.0.1/rank-0.stdout.log", b"step 1\nstep 2\n")
-    put_log(aws, record, "10.0.0.1/rank-1.stderr.log", b"warning: slow\n")
+    # each node's own log: the bootstrap's lines (no stamp) and the agent's, stamped, with the
+    # worker lines it echoes; the ranks' raw log objects are not read again
+    put_log(aws, record, "10.0.0.1/bootstrap.log",
+            b"dtrain: node 0 installing\n@10.000 [10.0.0.1 0]:step 1\n"
+            b"@12.000 [10.0.0.1 1]:warning: slow\n@14.000 agent: workers exited\n")
+    put_log(aws, record, "10.0.0.2/bootstrap.log",
+            b"dtrain: node 1 installing\n@11.000 [10.0.0.2 2]:step 1\n"
+            b"@13.000 [10.0.0.2 2]:restarted\n")
+    put_log(aws, record, "10.0.0.1/rank-0.stdout.log", b"step 1\n")
     put_log(aws, record, "10.0.0.1/rank-0.error.json", b"{}")
-    put_log(aws, record, "10.0.0.2/rank-2.attempt-1.stdout.log", b"restarted\n")
 
     def logs(**only):
         return list(jobs.logs(record.id, store=target.store, clients=target.clients, **only))
-    assert logs() == ["[10.0.0.1] dtrain: node 0 installing", "[10.0.0.1] agent: workers exited",
-                      "[10.0.0.1 0]:step 1", "[10.0.0.1 0]:step 2", "[10.0.0.1 1]:warning: slow",
-                      "[10.0.0.2 2]:restarted"]
-    assert logs(rank=0) == ["[10.0.0.1 0]:step 1", "[10.0.0.1 0]:step 2"]
-    assert logs(host="10.0.0.2") == ["[10.0.0.2 2]:restarted"]
+    assert logs() == ["[10.0.0.1] dtrain: node 0 installing", "[10.0.0.2] dtrain: node 1 installing",
+                      "[10.0.0.1 0]:step 1", "[10.0.0.2 2]:step 1", "[10.0.0.1 1]:warning: slow",
+                      "[10.0.0.2 2]:restarted", "[10.0.0.1] agent: workers exited"]
+    assert logs(rank=2) == ["[10.0.0.2 2]:step 1", "[10.0.0.2 2]:restarted"]
+    assert logs(host="10.0.0.1", rank=0) == ["[10.0.0.1 0]:step 1"]
 
 
 def test_following_logs_gives_each_line_once_and_whole(aws):
     target = ec2_target(aws, assume_yes=True)
     record = target.submit()
-    put_log(aws, record, "10.0.0.1/rank-0.stdout.log", b"step 1\nstep")  # synced mid-line
-    syncs = iter([b"step 1\nstep 2\nstep", b"step 1\nstep 2\nstep 3\nlast words"])
+    put_log(aws, record, "10.0.0.1/bootstrap.log", b"@1.000 [10.0.0.1 0]:step 1\n@2.000 [10.0")
+    syncs = iter([b"@1.000 [10.0.0.1 0]:step 1\n@2.000 [10.0.0.1 0]:step 2\n@3.0",  # mid-line
+                  (b"@1.000 [10.0.0.1 0]:step 1\n@2.000 [10.0.0.1 0]:step 2\n"
+                   b"@3.000 [10.0.0.1 0]:step 3\n@4.000 [10.0.0.1 0]:last words")])
 
-    def next_sync(_seconds):  # the node uploads its log folder again between two looks
-        put_log(aws, record, "10.0.0.1/rank-0.stdout.log", next(syncs))
+    def next_sync(_seconds):  # the node uploads its log again between two looks
+        put_log(aws, record, "10.0.0.1/bootstrap.log", next(syncs))
     looks = iter([False, False, True])
     launcher = Ec2Launcher(**{**target.clients, "sleep": next_sync})
     lines = list(launcher.logs(target.handle(record), follow=True, host=None, rank=None,

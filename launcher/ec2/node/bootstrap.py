@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from dtrain.core import checkpoint_layout, contract, s3, states
+from dtrain.core import checkpoint_layout, contract, logformat, s3, states
 from dtrain.launcher.agents import default_interface
 from dtrain.launcher.ec2 import layout
 
@@ -159,7 +159,7 @@ def agent_command(config: dict, node: Node) -> list[str]:
     """The node agent on the AMI's Python, or in ``image_uri`` with the GPUs and EFA devices."""
     if not config.get("image_uri"):
         return [sys.executable, "-m", "dtrain.runtime", "--root", node.root]
-    env_flags = [f"--env={k}" for k in config.get("environment", {})]
+    env_flags = [f"--env={k}" for k in (*config.get("environment", {}), logformat.STAMP_ENV)]
     return [
         "docker", "run", "--rm", "--gpus", "all", "--network", "host", "--ipc", "host",
         "--ulimit", "memlock=-1", "--device", "/dev/infiniband",
@@ -175,7 +175,7 @@ def run_agent(client, config: dict, node: Node, paths: contract.Paths,
               command: list[str]) -> int:
     """Run the node agent; meanwhile sync its logs and each checkpoint it completes to S3, and
     pass EC2's spot interruption notice on as SIGTERM, so it checkpoints at once."""
-    env = {**os.environ, **config.get("environment", {})}
+    env = {**os.environ, **config.get("environment", {}), logformat.STAMP_ENV: "1"}
     logs_uri = layout.logs_folder(config["prefix"], node.private_ip)
     stop = threading.Event()
     agent = subprocess.Popen(command, env=env)
@@ -184,6 +184,7 @@ def run_agent(client, config: dict, node: Node, paths: contract.Paths,
     def sync() -> None:
         while not stop.wait(LOG_SYNC_S):
             _quietly(upload_dir, client, paths.logs_dir, logs_uri)
+            _quietly(upload_bootstrap_log, client, config, node)
             _quietly(sync_checkpoints, client, paths.checkpoints_dir, checkpoint_uri(config),
                      synced)
 
@@ -228,9 +229,15 @@ def upload_results(client, config: dict, node: Node, paths: contract.Paths) -> N
     upload_dir(client, paths.output_dir, layout.output_folder(prefix, node.private_ip))
     upload_dir(client, paths.logs_dir, layout.logs_folder(prefix, node.private_ip))
     upload_dir(client, paths.checkpoints_dir, checkpoint_uri(config))
+    upload_bootstrap_log(client, config, node)
+
+
+def upload_bootstrap_log(client, config: dict, node: Node) -> None:
+    """The node's own log (the bootstrap's lines and the agent's, workers' echoed), which
+    ``dtrain logs`` reads."""
     bootstrap_log = os.path.join(node.work_dir, "bootstrap.log")
     if os.path.isfile(bootstrap_log):
-        bucket, key = s3.split(s3.join(layout.logs_folder(prefix, node.private_ip),
+        bucket, key = s3.split(s3.join(layout.logs_folder(config["prefix"], node.private_ip),
                                        "bootstrap.log"))
         client.upload_file(bootstrap_log, bucket, key)
 
