@@ -111,6 +111,7 @@ NOT_IN_REQUEST = {
     "sagemaker.framework_version": "image lookup only, when image_uri is unset",
     "sagemaker.py_version": "image lookup only, when image_uri is unset",
     "ec2": "EC2 target only",
+    "slurm": "Slurm target only",
 }
 # How the request spells a value the spec writes another way.
 EXPECTED = {
