@@ -126,6 +126,10 @@ def activation_then_linear(h: torch.Tensor, act: Activation, linear: nn.Linear) 
     ``act(h)`` for backward. Same values and gradients as the plain composition, also under
     autocast."""
     weight, bias = linear.weight, linear.bias
+    if type(weight) not in (torch.Tensor, nn.Parameter) or type(h) is not torch.Tensor:
+        # A tensor subclass (a tensor-parallel DTensor weight or input): the product is the
+        # linear module's own, with whatever hooks split it; the plain composition lets it run.
+        return linear(act(h))
     device_type = h.device.type
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         # Cast as autocast casts F.linear's inputs, and run with autocast off: backward's

@@ -221,9 +221,12 @@ class Trainer:
         seconds = time.perf_counter() - window.start
         record = {"loss": sums[0].item() / (world * window.steps), "lr": window.lr,
                   "grad_norm": window.grad_norm}
+        # A tensor-parallel group trains on one batch: its ranks' tokens are counted once.
+        plan = getattr(self.ctx, "plan", None)
         record.update(m.throughput_metrics(
-            tokens=int(sums[1].item()), seconds=seconds, flops_per_token=self.flops_per_token,
-            world_size=world, peak_tflops=self.peak))
+            tokens=round(sums[1].item() / (plan.tp if plan else 1)), seconds=seconds,
+            flops_per_token=self.flops_per_token, world_size=world, peak_tflops=self.peak,
+            replicas=plan.dp_degree if plan else world))
         record["peak_memory_bytes"] = float(m.peak_memory_bytes(self.ctx.device))
         record.update(m.comm_metrics(self.ctx.comm_stats.snapshot(), steps=window.steps))
         self.ctx.comm_stats.reset()

@@ -1,0 +1,139 @@
+"""The 1-D (Megatron) building blocks every family's plan is made of, on DTensor.
+
+Activations between blocks ("the residual stream") are, per rank of the ``tp`` group:
+
+* without sequence parallelism: the whole tensor, the same on every rank (plain tensors);
+* with sequence parallelism: this rank's slice of the sequence, a ``Shard(1)`` DTensor, so layer
+  norms and residual adds hold ``1/tp`` of the activations. Entering attention or the MLP, the
+  sequence is all-gathered; leaving them, the row-parallel projection reduce-scatters it back
+  (Korthikanti et al. 2022), instead of the all-reduce without it.
+
+Inside attention and the MLP, the column-parallel projection leaves each rank its heads (or its
+slice of the MLP's inner size) as a plain local tensor, which the model's own code computes on;
+the row-parallel projection sums the ranks' partial outputs. The embedding is vocabulary-
+parallel (each rank holds ``vocab/tp`` rows; a token's row comes from the rank that holds it) and
+the LM head column-parallel over the vocabulary, its logits left sharded for the parallel
+cross-entropy of :mod:`.loss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+@dataclass
+class OneDPlan:
+    """What to do to a model: styles per module, heads to share out, parameters to shard."""
+
+    styles: list[tuple[str, ParallelStyle]] = field(default_factory=list)
+    attention: list[str] = field(default_factory=list)  # modules whose num_heads is split
+    vocab_parameters: list[str] = field(default_factory=list)  # 1-D vocabulary-sized params
+
+    def add(self, fqn: str, style: ParallelStyle) -> None:
+        self.styles.append((fqn, style))
+
+
+def residual_layout(sequence_parallel: bool) -> Shard | Replicate:
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def column() -> ColwiseParallel:
+    """Weight rows split: each rank computes its heads / inner features, kept local."""
+    return ColwiseParallel()
+
+
+def row(sequence_parallel: bool) -> RowwiseParallel:
+    """Weight columns split: partial sums reduced (reduce-scattered along the sequence with SP)."""
+    return RowwiseParallel(output_layouts=residual_layout(sequence_parallel),
+                           use_local_output=not sequence_parallel)
+
+
+def vocab_embedding(sequence_parallel: bool) -> RowwiseParallel:
+    return RowwiseParallel(input_layouts=Replicate(),
+                           output_layouts=residual_layout(sequence_parallel),
+                           use_local_output=not sequence_parallel)
+
+
+def replicated_embedding() -> RowwiseParallel:
+    """A vocabulary-parallel embedding whose output others add to as plain tensors."""
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+
+
+def vocab_head(sequence_parallel: bool, *, gathered_input: bool = False) -> ColwiseParallel:
+    """Logits sharded over the vocabulary, as a DTensor for the parallel cross-entropy."""
+    layout = Replicate() if gathered_input else residual_layout(sequence_parallel)
+    return ColwiseParallel(input_layouts=layout, output_layouts=Shard(-1),
+                           use_local_output=False)
+
+
+def sequence_norm() -> SequenceParallel:
+    return SequenceParallel()
+
+
+def gather_sequence(num_inputs: int) -> PrepareModuleInput:
+    """Into attention / MLP / a replicated head: the whole sequence, as a plain tensor. The
+    first input is the activation; the others (an attention mask) pass unchanged."""
+    rest = (None,) * (num_inputs - 1)
+    return PrepareModuleInput(input_layouts=(Shard(1), *rest),
+                              desired_input_layouts=(Replicate(), *rest), use_local_output=True)
+
+
+def split_sequence(num_inputs: int) -> PrepareModuleInput:
+    """Into the first block, from embeddings computed whole: keep this rank's slice (no
+    communication; the backward all-gathers the gradient)."""
+    rest = (None,) * (num_inputs - 1)
+    return PrepareModuleInput(input_layouts=(Replicate(), *rest),
+                              desired_input_layouts=(Shard(1), *rest), use_local_output=False)
+
+
+def children(model: nn.Module, fqn: str) -> list[str]:
+    """The FQNs of the blocks under ``fqn`` that this model holds (a pipeline stage: some)."""
+    if not present(model, fqn):
+        return []
+    return [f"{fqn}.{name}" for name, _ in model.get_submodule(fqn).named_children()]
+
+
+def present(model: nn.Module, fqn: str) -> bool:
+    """Whether ``model`` has the module ``fqn`` (a pipeline stage holds only some)."""
+    try:
+        return model.get_submodule(fqn) is not None
+    except AttributeError:
+        return False
+
+
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: OneDPlan) -> None:
+    """Apply the styles, shard the vocabulary-sized parameters, share out the heads."""
+    for fqn, style in plan.styles:
+        if present(model, fqn):
+            parallelize_module(model.get_submodule(fqn), mesh, style)
+    for name in plan.vocab_parameters:
+        owner_name, _, attr = name.rpartition(".")
+        if not present(model, owner_name):
+            continue
+        owner = model.get_submodule(owner_name)
+        param = getattr(owner, attr)
+        owner.register_parameter(attr, nn.Parameter(
+            distribute_tensor(param.detach(), mesh, [Shard(0)]), param.requires_grad))
+    share_heads(model, plan.attention, mesh.size())
+
+
+def share_heads(model: nn.Module, attention: Sequence[str], ways: int) -> None:
+    """Each rank's attention modules hold ``num_heads / ways`` heads."""
+    for fqn in attention:
+        if present(model, fqn):
+            module = model.get_submodule(fqn)
+            assert module.num_heads % ways == 0, (fqn, module.num_heads, ways)
+            module.num_heads //= ways
