@@ -58,7 +58,8 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, plan: ParallelismP
     if plan.tp_grid:
         family.apply_two_d(model, mesh)
     else:
-        apply_plan(model, mesh, family.one_d_plan(model, sequence_parallel=plan.sequence_parallel))
+        apply_plan(model, mesh, family.one_d_plan(model, sequence_parallel=plan.sequence_parallel),
+                   sequence_parallel=plan.sequence_parallel)
     model.tie_weights()  # the plan split a tied weight once; its other user takes that one
     return model
 

@@ -22,9 +22,9 @@ def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
     for index, layer in enumerate(L.children(model, f"{base}.encoder.layer")):
         for name in ("query", "key", "value"):
             plan.add(f"{layer}.attention.self.{name}", L.column())
-        plan.add(f"{layer}.attention.output.dense", L.row(sp))
+        plan.rows.append(f"{layer}.attention.output.dense")
         plan.add(f"{layer}.intermediate.dense", L.column())
-        plan.add(f"{layer}.output.dense", L.row(sp))
+        plan.rows.append(f"{layer}.output.dense")
         if sp:
             if index == 0 and L.present(model, f"{base}.embeddings"):
                 plan.add(layer, L.split_sequence(2))

@@ -25,9 +25,9 @@ def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
     blocks = L.children(model, "transformer.h")
     for index, block in enumerate(blocks):
         plan.add(f"{block}.attn.c_attn", L.column())
-        plan.add(f"{block}.attn.c_proj", L.row(sp))
+        plan.rows.append(f"{block}.attn.c_proj")
         plan.add(f"{block}.mlp.c_fc", L.column())
-        plan.add(f"{block}.mlp.c_proj", L.row(sp))
+        plan.rows.append(f"{block}.mlp.c_proj")
         if sp:
             if index == 0 and L.present(model, "transformer.wte"):
                 plan.add(block, L.split_sequence(2))

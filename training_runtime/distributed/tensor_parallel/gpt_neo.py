@@ -19,9 +19,9 @@ def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
         attention = f"{block}.attn.attention"
         for name in ("q_proj", "k_proj", "v_proj"):
             plan.add(f"{attention}.{name}", L.column())
-        plan.add(f"{attention}.out_proj", L.row(sp))
+        plan.rows.append(f"{attention}.out_proj")
         plan.add(f"{block}.mlp.c_fc", L.column())
-        plan.add(f"{block}.mlp.c_proj", L.row(sp))
+        plan.rows.append(f"{block}.mlp.c_proj")
         if sp:
             if index == 0 and L.present(model, "transformer.wte"):
                 plan.add(block, L.split_sequence(2))

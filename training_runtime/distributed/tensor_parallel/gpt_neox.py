@@ -25,9 +25,9 @@ def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
     plan.add("gpt_neox.embed_in", L.vocab_embedding(sp))
     for layer in L.children(model, "gpt_neox.layers"):
         plan.add(f"{layer}.attention.query_key_value", L.column())
-        plan.add(f"{layer}.attention.dense", L.row(sp))
+        plan.rows.append(f"{layer}.attention.dense")
         plan.add(f"{layer}.mlp.dense_h_to_4h", L.column())
-        plan.add(f"{layer}.mlp.dense_4h_to_h", L.row(sp))
+        plan.rows.append(f"{layer}.mlp.dense_4h_to_h")
         if sp:
             plan.add(f"{layer}.input_layernorm", L.sequence_norm())
             plan.add(f"{layer}.post_attention_layernorm", L.sequence_norm())

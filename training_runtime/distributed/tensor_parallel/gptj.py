@@ -18,9 +18,9 @@ def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
     for block in L.children(model, "transformer.h"):
         for name in ("q_proj", "k_proj", "v_proj"):
             plan.add(f"{block}.attn.{name}", L.column())
-        plan.add(f"{block}.attn.out_proj", L.row(sp))
+        plan.rows.append(f"{block}.attn.out_proj")
         plan.add(f"{block}.mlp.fc_in", L.column())
-        plan.add(f"{block}.mlp.fc_out", L.row(sp))
+        plan.rows.append(f"{block}.mlp.fc_out")
         if sp:
             plan.add(f"{block}.ln_1", L.sequence_norm())
             plan.add(f"{block}.attn", L.gather_sequence(2))

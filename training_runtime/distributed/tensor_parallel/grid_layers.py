@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from dtrain.core.parallelism import GRID_AXES
 from dtrain.runtime.distributed.tensor_parallel.optimus import (
     Grid,
+    grid_layer_norm,
     shared_parameter,
-    sum_over,
     summa_ab,
     summa_abt,
 )
@@ -59,6 +59,11 @@ class GridLinear(nn.Linear):
         bias = None if self.bias is None else self.bias.to_local()
         return summa_ab(x, self.weight.to_local(), bias, self.grid)
 
+    def activation_then_forward(self, h: torch.Tensor, act) -> torch.Tensor:
+        """``self(act(h))`` keeping only ``h`` for backward (``activation_then_linear``)."""
+        bias = None if self.bias is None else self.bias.to_local()
+        return summa_ab(h, self.weight.to_local(), bias, self.grid, act=act)
+
 
 class GridLayerNorm(nn.LayerNorm):
     """LayerNorm over features split along the grid row: the statistics are summed over it."""
@@ -74,14 +79,8 @@ class GridLayerNorm(nn.LayerNorm):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size = self.normalized_shape[-1]
-        mean = sum_over(x.sum(-1, keepdim=True), self.grid.row_group) / size
-        centred = x - mean
-        var = sum_over((centred * centred).sum(-1, keepdim=True), self.grid.row_group) / size
-        normed = centred * torch.rsqrt(var + self.eps)
-        weight = shared_parameter(self.weight.to_local(), self.grid.col_group)
-        bias = shared_parameter(self.bias.to_local(), self.grid.col_group)
-        return normed * weight + bias
+        return grid_layer_norm(x, self.weight.to_local(), self.bias.to_local(), eps=self.eps,
+                               size=self.normalized_shape[-1], grid=self.grid)
 
 
 class _GridLookup(torch.autograd.Function):

@@ -10,7 +10,7 @@ Activations between blocks ("the residual stream") are, per rank of the ``tp`` g
 
 Inside attention and the MLP, the column-parallel projection leaves each rank its heads (or its
 slice of the MLP's inner size) as a plain local tensor, which the model's own code computes on;
-the row-parallel projection sums the ranks' partial outputs. The embedding is vocabulary-
+the row-parallel projection (:mod:`.row_parallel`) sums the ranks' partial outputs. The embedding is vocabulary-
 parallel (each rank holds ``vocab/tp`` rows; a token's row comes from the rank that holds it) and
 the LM head column-parallel over the vocabulary, its logits left sharded for the parallel
 cross-entropy of :mod:`.loss`.
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dtrain.runtime.distributed.tensor_parallel.row_parallel import RowParallelLinear
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -39,6 +40,7 @@ class OneDPlan:
     """What to do to a model: styles per module, heads to share out, parameters to shard."""
 
     styles: list[tuple[str, ParallelStyle]] = field(default_factory=list)
+    rows: list[str] = field(default_factory=list)  # linear layers made row-parallel
     attention: list[str] = field(default_factory=list)  # modules whose num_heads is split
     vocab_parameters: list[str] = field(default_factory=list)  # 1-D vocabulary-sized params
 
@@ -53,12 +55,6 @@ def residual_layout(sequence_parallel: bool) -> Shard | Replicate:
 def column() -> ColwiseParallel:
     """Weight rows split: each rank computes its heads / inner features, kept local."""
     return ColwiseParallel()
-
-
-def row(sequence_parallel: bool) -> RowwiseParallel:
-    """Weight columns split: partial sums reduced (reduce-scattered along the sequence with SP)."""
-    return RowwiseParallel(output_layouts=residual_layout(sequence_parallel),
-                           use_local_output=not sequence_parallel)
 
 
 def vocab_embedding(sequence_parallel: bool) -> RowwiseParallel:
@@ -114,11 +110,19 @@ def present(model: nn.Module, fqn: str) -> bool:
         return False
 
 
-def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: OneDPlan) -> None:
-    """Apply the styles, shard the vocabulary-sized parameters, share out the heads."""
+def apply_plan(model: nn.Module, mesh: DeviceMesh, plan: OneDPlan, *,
+               sequence_parallel: bool) -> None:
+    """Apply the styles, make the row layers row-parallel (:mod:`.row_parallel`), shard the
+    vocabulary-sized parameters, share out the heads."""
     for fqn, style in plan.styles:
         if present(model, fqn):
             parallelize_module(model.get_submodule(fqn), mesh, style)
+    for fqn in plan.rows:
+        if present(model, fqn):
+            owner_name, _, attr = fqn.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            setattr(owner, attr, RowParallelLinear.from_linear(
+                getattr(owner, attr), mesh, sequence_parallel=sequence_parallel))
     for name in plan.vocab_parameters:
         owner_name, _, attr = name.rpartition(".")
         if not present(model, owner_name):

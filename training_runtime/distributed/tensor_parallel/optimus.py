@@ -72,16 +72,19 @@ def _reduce(partial: torch.Tensor, *, dst: int, group) -> torch.Tensor:
 
 
 class _SummaAB(torch.autograd.Function):
-    """``Y = X Wᵀ + b`` with ``W`` in the AB layout (module docstring); 2-D ``x`` of local rows."""
+    """``Y = act(X) Wᵀ + b`` with ``W`` in the AB layout (module docstring); 2-D ``x`` of local
+    rows. With an activation only ``x`` is kept: ``act(x)`` is recomputed in backward (the
+    saving of :func:`dtrain.runtime.models.common.activation_then_linear`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grid: Grid):
-        ctx.grid = grid
+    def forward(ctx, x, weight, bias, grid: Grid, act):
+        ctx.grid, ctx.act = grid, act
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
+        xa = x if act is None else act(x)
         out = x.new_zeros(x.shape[0], weight.shape[0])
         for k in range(grid.q):
-            xk = _broadcast(x, owner=grid.col == k, src=grid.in_row(k), group=grid.row_group,
+            xk = _broadcast(xa, owner=grid.col == k, src=grid.in_row(k), group=grid.row_group,
                             shape=(x.shape[0], weight.shape[1]))
             wk = _broadcast(weight, owner=grid.row == k, src=grid.in_col(k),
                             group=grid.col_group, shape=weight.shape)
@@ -92,6 +95,7 @@ class _SummaAB(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grid = ctx.grid
+        xa = x if ctx.act is None else ctx.act(x)
         grad_out = grad_out.contiguous()
         grad_x = grad_w = None
         for k in range(grid.q):
@@ -101,15 +105,18 @@ class _SummaAB(torch.autograd.Function):
             got = _reduce(grad_out @ wk, dst=grid.in_row(k), group=grid.row_group)
             grad_x = got if grid.col == k else grad_x
             # dW[out_j, in_k] = sum_i dY[i][j]ᵀ X[i][k], reduced down column j to (k, j)
-            xk = _broadcast(x, owner=grid.col == k, src=grid.in_row(k), group=grid.row_group,
+            xk = _broadcast(xa, owner=grid.col == k, src=grid.in_row(k), group=grid.row_group,
                             shape=(x.shape[0], weight.shape[1]))
             got = _reduce(grad_out.t() @ xk, dst=grid.in_col(k), group=grid.col_group)
             grad_w = got if grid.row == k else grad_w
+        del xa
+        if ctx.act is not None:
+            grad_x = ctx.act.backward(grad_x, x)  # written over grad_x, which is ours
         grad_b = None
         if ctx.has_bias:  # the bias of out_j is every row's: sum the rows' tokens
             grad_b = grad_out.sum(0)
             dist.all_reduce(grad_b, group=grid.col_group)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _SummaABT(torch.autograd.Function):
@@ -147,11 +154,11 @@ class _SummaABT(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
-def summa_ab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             grid: Grid) -> torch.Tensor:
-    """``x`` (..., in/q) times a local AB block, plus the local bias; (..., out/q)."""
+def summa_ab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: Grid,
+             act=None) -> torch.Tensor:
+    """``act(x)`` (..., in/q) times a local AB block, plus the local bias; (..., out/q)."""
     flat = x.reshape(-1, x.shape[-1])
-    return _SummaAB.apply(flat, weight, bias, grid).view(*x.shape[:-1], weight.shape[0])
+    return _SummaAB.apply(flat, weight, bias, grid, act).view(*x.shape[:-1], weight.shape[0])
 
 
 def summa_abt(x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
@@ -160,22 +167,45 @@ def summa_abt(x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor
     return _SummaABT.apply(flat, weight, grid).view(*x.shape[:-1], weight.shape[0])
 
 
-class _SumOver(torch.autograd.Function):
-    """All-reduce a statistic every rank of ``group`` uses for its own outputs: the backward
-    sums the ranks' gradients too (each rank's outputs depend on every rank's input)."""
+class _GridLayerNorm(torch.autograd.Function):
+    """LayerNorm of features split along grid row ``i``: the sums behind the mean and variance
+    (forward) and behind the input gradient (backward) are all-reduced over the row. Keeps the
+    input and two statistics per token, as torch's own LayerNorm does; the weight and bias are
+    every grid row's, so their gradients are summed down the column."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+    def forward(ctx, x, weight, bias, eps: float, size: int, grid: Grid):
+        # two passes, as torch's LayerNorm is accurate: E[x²] - E[x]² would cancel digits
+        mean = x.sum(-1, keepdim=True)
+        dist.all_reduce(mean, group=grid.row_group)
+        mean /= size
+        centred = x - mean
+        var = (centred * centred).sum(-1, keepdim=True)
+        dist.all_reduce(var, group=grid.row_group)
+        rstd = torch.rsqrt(var / size + eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.size, ctx.grid = size, grid
+        return centred * rstd * weight + bias
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+    def backward(ctx, grad_out):
+        x, weight, mean, rstd = ctx.saved_tensors
+        grid = ctx.grid
+        normed = (x - mean) * rstd
+        flat_dims = tuple(range(grad_out.ndim - 1))
+        grad_wb = torch.stack([(grad_out * normed).sum(flat_dims), grad_out.sum(flat_dims)])
+        dist.all_reduce(grad_wb, group=grid.col_group)
+        grad_normed = grad_out * weight
+        sums = torch.stack([grad_normed.sum(-1), (grad_normed * normed).sum(-1)])
+        dist.all_reduce(sums, group=grid.row_group)
+        grad_x = rstd * (grad_normed - (sums[0].unsqueeze(-1)
+                                        + normed * sums[1].unsqueeze(-1)) / ctx.size)
+        return grad_x, grad_wb[0], grad_wb[1], None, None, None
+
+
+def grid_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps: float,
+                    size: int, grid: Grid) -> torch.Tensor:
+    return _GridLayerNorm.apply(x, weight, bias, eps, size, grid)
 
 
 class _SharedParameter(torch.autograd.Function):
@@ -192,10 +222,6 @@ class _SharedParameter(torch.autograd.Function):
         grad = grad.clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
-
-
-def sum_over(x: torch.Tensor, group) -> torch.Tensor:
-    return _SumOver.apply(x, group)
 
 
 def shared_parameter(weight: torch.Tensor, group) -> torch.Tensor:
