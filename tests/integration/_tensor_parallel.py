@@ -48,7 +48,7 @@ def build(rt, preset: str, distribution: dict):
 
     ctx = rt.init(distribution=distribution)
     torch.manual_seed(0)
-    model = from_preset(preset, attention="sdpa")
+    model = from_preset(preset)  # the default kernel: flash attention, per shard
     ref = copy.deepcopy(model)
     rt.shard(model, ctx)
     return ctx, model, ref
