@@ -65,8 +65,9 @@ def test_the_mesh_is_replicate_by_shard_by_tensor_parallel_with_tp_innermost(res
     assert one_d["mesh_shape"] == [1, 2, 2, 2] and one_d["strategy"] == "MiCS"
     two_d = results[0]["shard2-2d-tp4"]["plan"]
     assert two_d["mesh_shape"] == [1, 1, 2, 2, 2]
-    # the partition group (shard 2, 4 ranks apart) spans the two hosts; each grid stays in one
-    assert two_d["shard_group_spans_nodes"] is True
+    # the partition group (shard 2, 4 ranks apart) spans the two hosts, each grid stays in one,
+    # and MiCS's two-stage all-gather gathers the grid blocks across the hosts
+    assert two_d["shard_group_spans_nodes"] is True and two_d["hierarchical_allgather"] is True
 
 
 def test_replicas_all_reduce_data_parallel_gradients_across_hosts_and_tp_stays_inside(results):
