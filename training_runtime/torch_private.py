@@ -3,7 +3,8 @@
 torch's elastic agent offers no public hook to stop it from restarting workers that stopped on
 purpose, nor to read its workers' exit codes; FSDP2's custom all-gather takes an instance of a
 class that lives in a private module; activation checkpointing's wrapper and the default process
-group have no public import path either. They are reached only through this module, which was
+group have no public import path either; DTensor's collectives (tensor parallelism) go through
+the private functional-collectives module, where the communication statistics count them. They are reached only through this module, which was
 checked on the torch range of :mod:`dtrain.core.torch_support`. ``check_torch`` runs when the
 node agent starts, so an image with an unsupported torch fails at once with one line naming its
 torch and the range, not in the middle of a job; a test fails when a name disappears.
@@ -26,6 +27,9 @@ PRIVATE_NAMES = (
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
     ("torch.distributed.distributed_c10d", "_get_default_group"),
     ("torch", "_foreach_mul_"),
+    ("torch.distributed", "_functional_collectives"),
+    ("torch.distributed._functional_collectives", "_resolve_group"),
+    ("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ("torch.distributed.elastic.agent.server.local_elastic_agent", "LocalElasticAgent"),
     ("torch.distributed.launcher.api", "LocalElasticAgent"),  # what launch_agent builds
 )
@@ -93,6 +97,25 @@ def default_group() -> Any:
 
 def foreach_mul_(tensors: list[torch.Tensor], factor: Any) -> None:
     torch._foreach_mul_(tensors, factor)
+
+
+def functional_collectives() -> Any:
+    """The module DTensor issues its collectives through, looked up by name at each call."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
+def resolve_functional_group(group: Any) -> Any:
+    """The ``ProcessGroup`` a functional collective's ``group`` argument names (a group, its
+    name, a 1-D mesh or ``(mesh, dim)``)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    resolved = funcol._resolve_group(group)
+    if isinstance(resolved, dist.ProcessGroup):
+        return resolved
+    return dist.distributed_c10d._resolve_process_group(resolved)
 
 
 # ---------------------------------------------------------------- torch elastic's agent

@@ -58,6 +58,9 @@ DISTRIBUTION_DEFAULTS: dict[str, Any] = {
     "activation_checkpointing": False,
     "hierarchical_allgather": "auto",
     "attention": "flash",
+    "tensor_parallel_degree": 1,
+    "tensor_parallel_mode": "1d",
+    "sequence_parallel": "auto",
     # the resolved dtrain.core.parallelism plan (a dict), or None when sharding_degree is auto
     # and the model's size is known only at run time
     "parallelism": None,

@@ -12,20 +12,29 @@ Axes, outermost first (ranks are node-contiguous, so the innermost axes stay ins
 * ``dp_replicate``: MiCS replicas of the partition group (gradients all-reduced once per step);
 * ``dp_shard``: a MiCS partition group, ``sharding_degree`` ranks that shard the model states
   (1 = DDP, every data-parallel rank = ZeRO-3, in between = MiCS);
-* ``tp``: tensor parallelism, innermost, inside a node.
+* ``tp``: tensor parallelism, innermost, inside a node. In the ``2d`` (Optimus) layout the mesh
+  splits it into a ``tp_row × tp_col`` grid (``q × q``); the ranks and their order are the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from dtrain.core import tensor_parallel as tpl
+from dtrain.core.sizing import (  # noqa: F401 -- re-exported: the plan's sizing functions
+    DEFAULT_HEADROOM,
+    MODEL_STATE_BYTES_PER_PARAM,
+    candidate_degrees,
+    choose_sharding_degree,
+    fits,
+    model_state_bytes_per_gpu,
+)
+from dtrain.core.tensor_parallel import ModelDims
+
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-# Mixed-precision Adam keeps, per parameter: fp32 sharded parameter (4) + fp32 gradient (4) +
-# Adam first and second moments (4 + 4) = 16 bytes, divided by the ranks that shard them.
-MODEL_STATE_BYTES_PER_PARAM = 16
-DEFAULT_HEADROOM = 0.2
+GRID_AXES = ("tp_row", "tp_col")  # the 2-D layout's tp axis, as the mesh names it
 
 
 class ParallelismError(ValueError):
@@ -47,21 +56,46 @@ class ParallelismPlan:
     dp_shard: int
     tp: int
     hierarchical_allgather: bool
+    tp_mode: str = "1d"  # "1d" (Megatron) or "2d" (Optimus q × q grid)
+    sequence_parallel: bool = False  # 1-D only: norms and residuals split the sequence
 
     def __post_init__(self) -> None:
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         assert product == self.world_size, (self, product)
         assert self.world_size % self.devices_per_node == 0, self
+        assert self.tp_mode == "1d" or tpl.grid_side(self.tp), self
 
     # ---------------------------------------------------------------- the mesh
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
+    def degrees(self) -> tuple[int, int, int, int]:
+        """The degrees of :data:`AXES` (the 2-D grid counted as one ``tp`` axis)."""
         return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
 
     @property
-    def mesh_axis_names(self) -> tuple[str, str, str, str]:
-        return AXES
+    def tp_grid(self) -> int | None:
+        """``q`` of the 2-D layout's ``q × q`` grid; None in 1-D."""
+        return tpl.grid_side(self.tp) if self.tp_mode == "2d" else None
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        if self.tp_grid:
+            return (self.pp, self.dp_replicate, self.dp_shard, self.tp_grid, self.tp_grid)
+        return self.degrees
+
+    @property
+    def mesh_axis_names(self) -> tuple[str, ...]:
+        return (*AXES[:-1], *GRID_AXES) if self.tp_grid else AXES
+
+    @property
+    def tensor_parallel_layout(self) -> str:
+        """One line for ``dtrain plan``."""
+        if self.tp == 1:
+            return "none"
+        if self.tp_grid:
+            return f"2-D (Optimus) {self.tp_grid} × {self.tp_grid} grid"
+        return f"1-D (Megatron) over {self.tp}" + (
+            " with sequence parallelism" if self.sequence_parallel else "")
 
     @property
     def num_nodes(self) -> int:
@@ -112,7 +146,7 @@ class ParallelismPlan:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
         coords = {}
-        for axis, size in zip(reversed(AXES), reversed(self.mesh_shape)):
+        for axis, size in zip(reversed(AXES), reversed(self.degrees)):
             rank, coords[axis] = divmod(rank, size)
         return {axis: coords[axis] for axis in AXES}
 
@@ -126,9 +160,14 @@ class ParallelismPlan:
         c = self.coordinates(rank)
         return [self._rank_of({**c, "dp_shard": i}) for i in range(self.dp_shard)]
 
+    def tp_group(self, rank: int) -> list[int]:
+        """The ranks of ``rank``'s tensor-parallel group (consecutive: ``tp`` is innermost)."""
+        first = rank - self.coordinates(rank)["tp"]
+        return list(range(first, first + self.tp))
+
     def _rank_of(self, coords: Mapping[str, int]) -> int:
         rank = 0
-        for axis, size in zip(AXES, self.mesh_shape):
+        for axis, size in zip(AXES, self.degrees):
             rank = rank * size + coords[axis]
         return rank
 
@@ -136,15 +175,21 @@ class ParallelismPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "mesh_shape": list(self.mesh_shape),
-                "mesh_axis_names": list(AXES), "strategy": self.strategy,
+                "mesh_axis_names": list(self.mesh_axis_names), "strategy": self.strategy,
                 "shard_group_spans_nodes": self.shard_group_spans_nodes}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ParallelismPlan:
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+        # fields with defaults may be absent from a plan an older client wrote
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 # ------------------------------------------------------------------------ building the plan
+
+# Bytes per device beyond the model states: a number, or a function of the tensor-parallel degree
+# (the planner's activation estimate shrinks with it).
+OtherBytes = float | Callable[[int], float]
+
 
 def build_parallelism_plan(
     distribution: Mapping[str, Any],
@@ -153,45 +198,131 @@ def build_parallelism_plan(
     devices_per_node: int,
     num_parameters: int | None = None,
     device_memory_bytes: float | None = None,
-    other_bytes_per_device: float = 0.0,
+    other_bytes_per_device: OtherBytes = 0.0,
+    model_dims: ModelDims | None = None,
 ) -> ParallelismPlan | None:
     """The plan for ``distribution`` on ``world_size`` ranks, ``devices_per_node`` per node.
 
     ``distribution`` holds the spec's keys (``sharding_degree``, ``hierarchical_allgather``,
-    ``backend``, ``tensor_parallel_degree``, ``pipeline_parallel_degree``; missing ones take
-    their defaults). Returns None when ``sharding_degree`` is ``auto`` and the model size or the
-    device memory is not known yet: the runtime then calls this again with the real model.
-    Raises :class:`ParallelismError` naming the spec field when no plan exists.
+    ``backend``, ``tensor_parallel_degree``, ``tensor_parallel_mode``, ``sequence_parallel``,
+    ``pipeline_parallel_degree``; missing ones take their defaults). ``model_dims``, when known,
+    refuses tensor-parallel degrees that do not split the model. Returns None when a degree is
+    ``auto`` and the model size or the device memory is not known yet: the runtime then calls
+    this again with the real model. Raises :class:`ParallelismError` naming the spec field when
+    no plan exists.
     """
     if devices_per_node < 1 or world_size % devices_per_node:
         raise ParallelismError(
             "compute.processes_per_instance",
             f"{devices_per_node} processes per node do not divide the world size {world_size}; "
             "start the same number of processes on every node")
-    tp = _degree(distribution, "tensor_parallel_degree")
     pp = _degree(distribution, "pipeline_parallel_degree")
+    mode = distribution.get("tensor_parallel_mode", "1d")
+    problem = tpl.mode_problem(mode, 1)
+    if problem:
+        raise ParallelismError("distribution.tensor_parallel_mode", problem)
+    allowed = [t for t in tpl.candidate_degrees(devices_per_node, mode, model_dims)
+               if world_size % (t * pp) == 0]
+    shape = _Shape(world_size=world_size, devices_per_node=devices_per_node, pp=pp, mode=mode,
+                   num_parameters=num_parameters, device_memory_bytes=device_memory_bytes,
+                   other_bytes=other_bytes_per_device)
+    if distribution.get("tensor_parallel_degree", 1) == "auto":
+        return _auto_tensor_parallel(distribution, shape, allowed)
+    tp = _degree(distribution, "tensor_parallel_degree")
+    field = "distribution.tensor_parallel_degree"
     if devices_per_node % tp:
         raise ParallelismError(
-            "distribution.tensor_parallel_degree",
-            f"{tp} does not divide the {devices_per_node} devices of a node; a tensor-parallel "
-            f"group must stay inside a node: use one of {_divisors(devices_per_node)}")
+            field, f"{tp} does not divide the {devices_per_node} devices of a node; a "
+            f"tensor-parallel group must stay inside a node: use one of {_divisors(devices_per_node)}")
+    problem = tpl.mode_problem(mode, tp)
+    if problem:
+        raise ParallelismError("distribution.tensor_parallel_mode", problem)
+    if model_dims is not None:
+        problem = tpl.shape_problem(tp, mode, model_dims, allowed=allowed)
+        if problem:
+            raise ParallelismError(field, problem)
+    return _plan_at(distribution, shape, tp=tp, explicit_tp=True, must_fit=False)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a plan is built for, besides the distribution's settings."""
+
+    world_size: int
+    devices_per_node: int
+    pp: int
+    mode: str
+    num_parameters: int | None
+    device_memory_bytes: float | None
+    other_bytes: OtherBytes
+
+    @property
+    def sized(self) -> bool:
+        return self.num_parameters is not None and bool(self.device_memory_bytes)
+
+    def other_bytes_at(self, tp: int) -> float:
+        return self.other_bytes(tp) if callable(self.other_bytes) else float(self.other_bytes)
+
+
+def _plan_at(distribution: Mapping[str, Any], shape: _Shape, *, tp: int, explicit_tp: bool,
+             must_fit: bool) -> ParallelismPlan | None:
+    """The plan at tensor-parallel degree ``tp``; with ``must_fit``, None when it does not fit."""
+    world_size, pp = shape.world_size, shape.pp
     if world_size % (tp * pp):
         raise ParallelismError(
             "distribution.pipeline_parallel_degree",
             f"pipeline {pp} × tensor {tp} does not divide the world size {world_size}")
+    try:
+        sequence_parallel = tpl.sequence_parallel_enabled(
+            distribution.get("sequence_parallel", "auto"), tp=tp, mode=shape.mode,
+            explicit_tp=explicit_tp)
+    except ValueError as exc:
+        raise ParallelismError("distribution.sequence_parallel", str(exc)) from None
     dp = world_size // (tp * pp)
     setting, backend = _hierarchical_setting(distribution)
-    degree = _sharding_degree(distribution, dp=dp, dp_per_node=max(1, devices_per_node // tp),
-                              tp=tp, pp=pp, num_parameters=num_parameters,
-                              device_memory_bytes=device_memory_bytes,
-                              other_bytes_per_device=other_bytes_per_device)
+    other = shape.other_bytes_at(tp)
+    degree = _sharding_degree(distribution, dp=dp,
+                              dp_per_node=max(1, shape.devices_per_node // tp), tp=tp, pp=pp,
+                              num_parameters=shape.num_parameters,
+                              device_memory_bytes=shape.device_memory_bytes,
+                              other_bytes_per_device=other)
     if degree is None:
         return None
-    plan = ParallelismPlan(world_size=world_size, devices_per_node=devices_per_node, pp=pp,
+    params = None if shape.num_parameters is None else shape.num_parameters // (tp * pp)
+    if must_fit and not fits(params, degree, shape.device_memory_bytes, other):
+        return None
+    plan = ParallelismPlan(world_size=world_size, devices_per_node=shape.devices_per_node, pp=pp,
                            dp_replicate=dp // degree, dp_shard=degree, tp=tp,
-                           hierarchical_allgather=False)
+                           hierarchical_allgather=False, tp_mode=shape.mode,
+                           sequence_parallel=sequence_parallel)
     hierarchical = _hierarchical(plan, setting, backend)
     return ParallelismPlan(**{**asdict(plan), "hierarchical_allgather": hierarchical})
+
+
+def _auto_tensor_parallel(distribution: Mapping[str, Any], shape: _Shape,
+                          allowed: list[int]) -> ParallelismPlan | None:
+    """``tensor_parallel_degree: auto``: the smallest degree at which the model fits (1 when
+    MiCS alone holds it), trying the node's degrees that split the model, smallest first."""
+    field = "distribution.tensor_parallel_degree"
+    if not allowed:
+        raise ParallelismError(field, "auto: no degree inside a node splits this model; set "
+                               "tensor_parallel_degree 1")
+    if not shape.sized:
+        return None
+    reason = ""
+    for tp in allowed:
+        try:
+            plan = _plan_at(distribution, shape, tp=tp, explicit_tp=False, must_fit=True)
+        except ParallelismError as exc:
+            if not str(exc).startswith("distribution.sharding_degree: auto:"):
+                raise
+            reason = str(exc).split("auto: ", 1)[1]
+            continue
+        if plan is not None:
+            return plan
+    raise ParallelismError(field, f"auto: not even tensor parallel {allowed[-1]} fits the model: "
+                           + (reason or "add instances, use a larger instance type, or enable "
+                              "distribution.activation_checkpointing"))
 
 
 def _degree(distribution: Mapping[str, Any], key: str) -> int:
@@ -265,52 +396,6 @@ def _hierarchical(plan: ParallelismPlan, setting: Any, backend: str) -> bool:
                 "auto")
         return False
     return setting is True or backend == "auto"
-
-
-# ------------------------------------------------------------------------ sharding_degree: auto
-
-def model_state_bytes_per_gpu(num_parameters: int, sharding_degree: int) -> float:
-    """Parameters + gradients + optimizer states held by one GPU at this sharding degree."""
-    return num_parameters * MODEL_STATE_BYTES_PER_PARAM / sharding_degree
-
-
-def candidate_degrees(world_size: int, gpus_per_node: int) -> list[int]:
-    """Partition-group sizes that keep groups aligned to nodes, smallest first.
-
-    A group is either a divisor of one node's GPUs (it stays inside a node) or a whole number
-    of nodes (it never splits a node). Every candidate divides the world size.
-    """
-    per_node = max(1, min(gpus_per_node, world_size))
-    sizes = {d for d in range(1, per_node + 1) if per_node % d == 0}
-    sizes |= {k * per_node for k in range(1, world_size // per_node + 1)}
-    return sorted(d for d in sizes if world_size % d == 0)
-
-
-def choose_sharding_degree(
-    *,
-    num_parameters: int,
-    world_size: int,
-    gpus_per_node: int,
-    device_memory_bytes: float,
-    other_bytes_per_gpu: float = 0.0,
-    headroom: float = DEFAULT_HEADROOM,
-) -> int:
-    """The smallest node-aligned partition group whose GPUs hold the model states with headroom.
-
-    ``other_bytes_per_gpu`` is what does not shrink with sharding (activations, the unsharded
-    layer being computed). Raises ``ValueError`` when even a full shard does not fit.
-    """
-    budget = device_memory_bytes * (1.0 - headroom) - other_bytes_per_gpu
-    for degree in candidate_degrees(world_size, gpus_per_node):
-        if model_state_bytes_per_gpu(num_parameters, degree) <= budget:
-            return degree
-    need = model_state_bytes_per_gpu(num_parameters, world_size) + other_bytes_per_gpu
-    raise ValueError(
-        f"the model ({num_parameters / 1e9:.2f}B parameters) needs {need / 2**30:.1f} GiB per "
-        f"device even fully sharded over {world_size} devices, more than "
-        f"{device_memory_bytes * (1 - headroom) / 2**30:.1f} GiB usable; add instances, use a "
-        "larger instance type, or enable distribution.activation_checkpointing"
-    )
 
 
 def _divisors(n: int) -> list[int]:

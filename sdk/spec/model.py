@@ -128,7 +128,8 @@ class Compute(_Model):
 
 
 class Distribution(_Model):
-    """How the work is split across processes (MiCS sharded data parallelism)."""
+    """How the work is split across processes: MiCS sharded data parallelism, optionally
+    composed with tensor parallelism."""
 
     sharding_degree: int | Literal["auto", "full"] = Field(
         "auto",
@@ -158,6 +159,23 @@ class Distribution(_Model):
     )
     attention: Literal[contract.ATTENTION_KERNELS] = Field(
         "flash", description="Attention kernel for dtrain's models."
+    )
+    tensor_parallel_degree: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1,
+        description="Ranks that split each layer of the model (inside one node); MiCS shards "
+        "what they leave over the other ranks. 1 = off; `auto` = the planner's smallest degree "
+        "at which the model's states, layer and activations fit the devices.",
+    )
+    tensor_parallel_mode: Literal["1d", "2d"] = Field(
+        "1d",
+        description="`1d`: Megatron-style (heads, MLP and vocabulary split; with "
+        "sequence_parallel the norms split the sequence); `2d`: Optimus-style q × q grid (a "
+        "square degree), every activation split over the grid too.",
+    )
+    sequence_parallel: Literal["auto"] | bool = Field(
+        "auto",
+        description="1-D tensor parallelism: split layer norms and residual activations along "
+        "the sequence; `auto` = on when tensor_parallel_degree is above 1.",
     )
 
     @model_validator(mode="before")

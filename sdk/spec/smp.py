@@ -1,7 +1,10 @@
 """Translate SageMaker model-parallel (SMP) distribution dicts into dtrain's distribution.
 
 So that estimator code written for SMP v1 (``sharded_data_parallel_degree``,
-``ddp_dist_backend``) or SMP v2 (``hybrid_shard_degree``) ports by changing an import.
+``ddp_dist_backend``, ``tensor_parallel_degree``) or SMP v2 (``hybrid_shard_degree``,
+``tensor_parallel_degree``) ports by changing an import. SMP's tensor parallelism is 1-D
+(Megatron-style) with the sequence split over the group, which is what dtrain's ``1d`` mode with
+``sequence_parallel: auto`` runs.
 """
 
 from __future__ import annotations
@@ -12,8 +15,7 @@ from typing import Any
 _DEGREE_KEYS = ("sharded_data_parallel_degree", "hybrid_shard_degree")
 # Parallelism dtrain does not implement: a degree above 1 is an error, 1 is fine.
 _UNSUPPORTED_DEGREES = (
-    "tensor_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree",
-    "context_parallel_degree", "partitions",
+    "pipeline_parallel_degree", "expert_parallel_degree", "context_parallel_degree", "partitions",
 )
 _WRAPPER_KEYS = ("smdistributed", "torch_distributed", "pytorchddp", "mpi")
 
@@ -55,6 +57,8 @@ def _translate_parameters(params: dict, out: dict, notes: list[str]) -> None:
         if key in _DEGREE_KEYS:
             # SMP v2 uses 0 for "shard over every GPU".
             out["sharding_degree"] = "full" if value == 0 else value
+        elif key == "tensor_parallel_degree":
+            out["tensor_parallel_degree"] = value
         elif key == "ddp_dist_backend":
             out["backend"] = value
         elif key in ("bf16", "fp16") and value is True:
@@ -64,8 +68,9 @@ def _translate_parameters(params: dict, out: dict, notes: list[str]) -> None:
         elif key in _UNSUPPORTED_DEGREES:
             if value not in (0, 1):
                 raise ValueError(
-                    f"{where} = {value!r}: dtrain shards data parallel only (MiCS); remove it "
-                    "and use sharded_data_parallel_degree / distribution.sharding_degree"
+                    f"{where} = {value!r}: dtrain runs sharded data parallel (MiCS) and tensor "
+                    "parallelism, not this; remove it and use sharded_data_parallel_degree / "
+                    "tensor_parallel_degree"
                 )
         else:
             notes.append(f"distribution.{where} is not used by dtrain and was ignored")

@@ -97,11 +97,21 @@ def test_only_the_main_rank_writes(tmp_path):
     assert stream.getvalue() == "" and not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_comm_metrics_are_per_step():
-    snap = {"total": {"calls": 8, "intra_bytes": 400.0, "inter_bytes": 100.0}}
+def test_comm_metrics_are_per_step_with_tensor_parallel_bytes_on_their_own():
+    snap = {"total": {"calls": 8, "intra_bytes": 400.0, "inter_bytes": 100.0},
+            "tensor_parallel": {"calls": 4, "intra_bytes": 240.0, "inter_bytes": 0.0}}
     assert m.comm_metrics(snap, steps=4) == {"comm_intra_bytes_per_step": 100.0,
                                              "comm_inter_bytes_per_step": 25.0,
-                                             "comm_calls_per_step": 2.0}
+                                             "comm_calls_per_step": 2.0,
+                                             "comm_tp_bytes_per_step": 60.0}
+
+
+def test_tensor_parallel_ranks_share_one_replica_s_tokens_and_flops_are_counted_once():
+    # 8 devices as 2 data-parallel replicas of tp 4: 1000 tokens in 2 s, each token once
+    out = m.throughput_metrics(tokens=1000, seconds=2.0, flops_per_token=1e9, world_size=8,
+                               peak_tflops=0.1, replicas=2)
+    assert (out["tokens_per_s"], out["tokens_per_s_per_replica"]) == (500, 250)
+    assert out["tflops_per_gpu"] == pytest.approx(500 * 1e9 / 8 / 1e12)
 
 
 def test_warmup_then_cosine_to_the_floor():

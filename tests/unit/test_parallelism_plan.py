@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dtrain.core.parallelism import ParallelismError, ParallelismPlan, build_parallelism_plan
+from dtrain.core.tensor_parallel import ModelDims
 
 
 def _plan(world=24, per_node=8, **distribution):
@@ -81,3 +82,85 @@ def test_tensor_parallel_groups_stay_inside_a_node():
 def test_a_plan_travels_as_a_dict_and_comes_back_equal():
     plan = _plan(32, sharding_degree=16)
     assert ParallelismPlan.from_dict(plan.to_dict()) == plan
+
+
+# ------------------------------------------------------------------------ tensor parallelism
+
+NEOX_TINY = ModelDims(num_heads=4, hidden_size=64, intermediate_size=256, vocab_size=512)
+
+
+def test_two_d_tensor_parallelism_splits_the_tp_axis_into_a_grid_keeping_rank_order():
+    plan = build_parallelism_plan({"sharding_degree": 2, "tensor_parallel_degree": 4,
+                                   "tensor_parallel_mode": "2d"}, world_size=16,
+                                  devices_per_node=8)
+    assert plan.mesh_shape == (1, 2, 2, 2, 2)
+    assert plan.mesh_axis_names == ("pp", "dp_replicate", "dp_shard", "tp_row", "tp_col")
+    assert plan.tp_grid == 2 and plan.sequence_parallel is False
+    assert plan.coordinates(13) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "tp": 1}
+    assert plan.tp_group(13) == [12, 13, 14, 15] and plan.dp_rank(13) == 3
+    assert ParallelismPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_sequence_parallelism_is_on_by_default_with_one_d_tensor_parallelism_only():
+    def sp(**dist):
+        return _plan(8, 8, sharding_degree=1, **dist).sequence_parallel
+
+    assert sp(tensor_parallel_degree=2) is True
+    assert sp(tensor_parallel_degree=2, sequence_parallel=False) is False
+    assert sp() is False
+    assert sp(tensor_parallel_degree=4, tensor_parallel_mode="2d") is False
+
+
+@pytest.mark.parametrize("distribution, message", [
+    ({"tensor_parallel_degree": 4, "tensor_parallel_mode": "2d", "sequence_parallel": True},
+     r"^distribution\.sequence_parallel: true applies to tensor_parallel_mode 1d"),
+    ({"sequence_parallel": True},
+     r"^distribution\.sequence_parallel: true needs tensor_parallel_degree above 1"),
+    ({"tensor_parallel_degree": 8, "tensor_parallel_mode": "2d"},
+     r"^distribution\.tensor_parallel_mode: 2d needs a square tensor_parallel_degree .* 4, 9"),
+    ({"tensor_parallel_mode": "3d"}, r"^distribution\.tensor_parallel_mode: '3d': use 1d"),
+])
+def test_tensor_parallel_settings_that_cannot_apply_name_the_field_and_the_fix(distribution,
+                                                                               message):
+    with pytest.raises(ParallelismError, match=message):
+        _plan(16, 8, sharding_degree=1, **distribution)
+
+
+def test_degrees_that_do_not_split_the_model_are_refused_with_the_ones_that_do():
+    dims = ModelDims(num_heads=6, hidden_size=96, intermediate_size=384, vocab_size=512)
+    with pytest.raises(ParallelismError, match=r"^distribution\.tensor_parallel_degree: 4 does "
+                       r"not divide the model's 6 attention heads .*; use one of 1, 2$"):
+        build_parallelism_plan({"tensor_parallel_degree": 4}, world_size=8, devices_per_node=8,
+                               model_dims=dims)
+    odd_vocab = ModelDims(num_heads=4, hidden_size=64, intermediate_size=256, vocab_size=50257)
+    with pytest.raises(ParallelismError, match=r"vocabulary of 50257 .* pad vocab_size to 50432 "
+                       r"in the model config"):
+        build_parallelism_plan({"tensor_parallel_degree": 2}, world_size=8, devices_per_node=8,
+                               model_dims=odd_vocab)
+    # 2-D splits each dimension q = 2 ways: 6 heads are fine on a 2 x 2 grid
+    plan = build_parallelism_plan({"sharding_degree": 2, "tensor_parallel_degree": 4,
+                                   "tensor_parallel_mode": "2d"},
+                                  world_size=8, devices_per_node=8, model_dims=dims)
+    assert plan.tp_grid == 2
+
+
+def test_auto_tensor_parallelism_is_one_when_mics_alone_fits_and_grows_when_it_does_not():
+    common = {"world_size": 8, "devices_per_node": 8, "num_parameters": int(1e9),
+              "device_memory_bytes": 40 * 2**30, "model_dims": NEOX_TINY}
+    auto = {"sharding_degree": "auto", "tensor_parallel_degree": "auto"}
+    assert build_parallelism_plan(auto, **common).tp == 1
+    # activations of 62 GiB at tp 1 shrink as 1/tp: 31 GiB at 2 leaves 1 GiB of the 32 GiB
+    # usable, less than the states need even fully sharded (1.9 GiB); 15.5 GiB at 4 fits
+    plan = build_parallelism_plan(auto, **common,
+                                  other_bytes_per_device=lambda tp: 62 * 2**30 / tp)
+    assert (plan.tp, plan.sequence_parallel) == (4, True)
+    assert build_parallelism_plan(auto, world_size=8, devices_per_node=8) is None
+    with pytest.raises(ParallelismError, match=r"^distribution\.tensor_parallel_degree: auto: "
+                       r"not even tensor parallel 4 fits the model: .* add instances"):
+        build_parallelism_plan(auto, **common, other_bytes_per_device=1e15)
+
+
+def test_a_plan_written_before_tensor_parallel_modes_reads_as_one_d():
+    old = {k: v for k, v in _plan(sharding_degree=8).to_dict().items()
+           if k not in ("tp_mode", "sequence_parallel")}
+    assert ParallelismPlan.from_dict(old) == _plan(sharding_degree=8)

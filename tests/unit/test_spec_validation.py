@@ -219,10 +219,39 @@ class TestSmpDistributionTranslation:
         assert JobSpec.from_dict(sagemaker() | {"distribution": smp}) \
             .distribution.sharding_degree == "full"
 
-    def test_tensor_parallelism_is_rejected_with_the_fix(self):
-        smp = {"smdistributed": {"modelparallel": {"parameters": {"tensor_parallel_degree": 4}}}}
+    def test_v1_tensor_parallel_degree_is_translated_with_sharded_data_parallel(self):
+        smp = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {
+            "tensor_parallel_degree": 4, "sharded_data_parallel_degree": 4, "ddp": True,
+            "pipeline_parallel_degree": 1}}}, "mpi": {"enabled": True}}
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            dist = JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": smp}) \
+                .distribution
+        assert (dist.tensor_parallel_degree, dist.sharding_degree) == (4, 4)
+        assert (dist.tensor_parallel_mode, dist.sequence_parallel) == ("1d", "auto")
+
+    def test_v2_tensor_parallel_degree_is_translated(self):
+        smp = {"torch_distributed": {"enabled": True}, "smdistributed": {"modelparallel": {
+            "enabled": True, "parameters": {"tensor_parallel_degree": 8,
+                                            "hybrid_shard_degree": 2}}}}
+        dist = JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": smp}) \
+            .distribution
+        assert (dist.tensor_parallel_degree, dist.sharding_degree) == (8, 2)
+
+    def test_pipeline_parallelism_is_rejected_with_the_fix(self):
+        smp = {"smdistributed": {"modelparallel": {"parameters": {"pipeline_parallel_degree": 2}}}}
         msg = problems(sagemaker() | {"distribution": smp})
-        assert "tensor_parallel_degree = 4" in msg and "sharding_degree" in msg
+        assert "pipeline_parallel_degree = 2" in msg and "tensor_parallel_degree" in msg
+
+    def test_a_tensor_parallel_group_across_nodes_is_refused_with_the_degrees_that_fit(self):
+        msg = problems(sagemaker() | {"distribution": {"tensor_parallel_degree": 16}})
+        assert "distribution.tensor_parallel_degree: 16 does not divide the 8 devices" in msg
+        assert "use one of [1, 2, 4, 8]" in msg
+
+    def test_two_d_tensor_parallelism_needs_a_square_degree(self):
+        msg = problems(sagemaker() | {"distribution": {"tensor_parallel_degree": 2,
+                                                       "tensor_parallel_mode": "2d"}})
+        assert "distribution.tensor_parallel_mode: 2d needs a square" in msg and "4, 9" in msg
 
     def test_unused_smp_parameters_warn(self):
         smp = {"smdistributed": {"modelparallel": {"parameters": {

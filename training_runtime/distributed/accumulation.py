@@ -28,8 +28,8 @@ or, when the caller owns the batching (a Trainer)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,17 +61,23 @@ def set_sync_mode(model: torch.nn.Module, *, boundary: bool) -> None:
 
 
 @contextmanager
-def micro_step(model: torch.nn.Module, *, boundary: bool) -> Iterator[None]:
-    """Run one micro-step's forward and backward inside; restores full sync on exit."""
+def micro_step(model: torch.nn.Module, *, boundary: bool,
+               within: Callable[[], AbstractContextManager] = nullcontext) -> Iterator[None]:
+    """Run one micro-step's forward and backward inside; restores full sync on exit.
+
+    ``within`` is entered around them too (the runtime passes the tensor-parallel loss's
+    context, which the loss and its backward need)."""
     set_sync_mode(model, boundary=boundary)
     try:
-        yield
+        with within():
+            yield
     finally:
         set_sync_mode(model, boundary=True)
 
 
 def accumulate(
-    model: torch.nn.Module, batches: Iterable[Any], *, steps: int
+    model: torch.nn.Module, batches: Iterable[Any], *, steps: int,
+    within: Callable[[], AbstractContextManager] = nullcontext,
 ) -> Iterator[MicroStep]:
     """Yield micro-steps with the sync mode set for each; ``steps`` micro-steps per window.
 
@@ -93,7 +99,7 @@ def accumulate(
         except StopIteration:
             upcoming, last = None, True
         boundary = last or index == steps - 1
-        with micro_step(model, boundary=boundary):
+        with micro_step(model, boundary=boundary, within=within):
             yield MicroStep(current, index, steps, boundary)
         if last:
             return

@@ -2,9 +2,16 @@
 
 The counters observe the real calls: :func:`install` wraps the public collective functions of
 ``torch.distributed`` (and the same names in ``distributed_c10d``), which is where FSDP2 issues
-its all-gathers, reduce-scatters and all-reduces (it looks them up on the module at call time).
-Nothing is re-derived from the model. A collective called from inside another wrapped one (e.g.
-a legacy alias forwarding to the new name) is counted once, by the outermost call.
+its all-gathers, reduce-scatters and all-reduces (it looks them up on the module at call time),
+and the functional collectives DTensor issues for tensor parallelism (forward and backward: its
+redistributions look them up on their module at call time too). Nothing is re-derived from the
+model. A collective called from inside another wrapped one (e.g. a legacy alias forwarding to the
+new name) is counted once, by the outermost call.
+
+Tensor-parallel traffic is its own row, ``"tensor_parallel"``: a collective whose ranks all lie in
+one tensor-parallel group (``tp`` consecutive ranks, the innermost mesh axis; set by
+:meth:`CommStats.set_tensor_parallel_size`) counts there and not under its kind, so the kinds keep
+describing MiCS's data-parallel traffic. ``"total"`` adds both.
 
 Byte model. Each process records its own calls. For a collective on a group of ``N`` ranks
 holding ``S`` bytes of full data (the all-gather output, the reduce-scatter input, the
@@ -14,7 +21,8 @@ snapshot gives the collective's total):
 
 * all-gather, reduce-scatter: each of the ``N`` ring links carries ``(N-1)/N * S``;
 * all-reduce (reduce-scatter then all-gather): each link carries ``2(N-1)/N * S``;
-* broadcast (a chain): each of the ``N-1`` links carries ``S``.
+* broadcast and reduce (a chain): each of the ``N-1`` links carries ``S``;
+* all-to-all: as an all-gather of the input, ``(N-1)/N * S`` per link.
 
 Ranks are node-contiguous (node = rank // LOCAL_WORLD_SIZE), so a ring over a group whose ranks
 sit on ``k`` nodes has exactly ``k`` links that cross nodes when ``k > 1`` (none when ``k == 1``;
@@ -41,16 +49,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from dtrain.runtime import torch_private
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
+TENSOR_PARALLEL = "tensor_parallel"
+CHAIN_KINDS = ("broadcast", "reduce")
 
 # wrapped function name -> (kind, how to find the full-data bytes from the call's arguments)
 _SIZE_FROM = {
-    "output": lambda args, kw: _nbytes(kw.get("output_tensor", kw.get("output", _arg(args, 0)))),
-    "input": lambda args, kw: _nbytes(kw.get("input", kw.get("input_tensor", _arg(args, 1)))),
-    "list": lambda args, kw: sum(_nbytes(t) for t in kw.get("tensor_list", _arg(args, 0))),
-    "tensor": lambda args, kw: _nbytes(kw.get("tensor", _arg(args, 0))),
-    "tensors": lambda args, kw: sum(_nbytes(t) for t in kw.get("tensors", _arg(args, 0))),
+    "output": lambda args, kw, _: _nbytes(kw.get("output_tensor", kw.get("output",
+                                                                         _arg(args, 0)))),
+    "input": lambda args, kw, _: _nbytes(kw.get("input", kw.get("input_tensor", _arg(args, 1)))),
+    "list": lambda args, kw, _: sum(_nbytes(t) for t in kw.get("tensor_list", _arg(args, 0))),
+    "tensor": lambda args, kw, _: _nbytes(kw.get("tensor", _arg(args, 0))),
+    "tensors": lambda args, kw, _: sum(_nbytes(t) for t in kw.get("tensors", _arg(args, 0))),
+}
+_FUNCTIONAL_SIZE_FROM = {
+    "self": lambda args, kw, _: _nbytes(kw.get("self", _arg(args, 0))),
+    "input": lambda args, kw, _: _nbytes(kw.get("self", _arg(args, 0))),
+    "gathered": lambda args, kw, group: _nbytes(kw.get("self", _arg(args, 0))) * group.size(),
 }
 _WRAPPED = {
     "all_gather_single": ("all_gather", "output"),
@@ -63,6 +80,16 @@ _WRAPPED = {
     "all_reduce": ("all_reduce", "tensor"),
     "all_reduce_coalesced": ("all_reduce", "tensors"),
     "broadcast": ("broadcast", "tensor"),
+    "reduce": ("reduce", "tensor"),
+}
+# DTensor's functional collectives: name -> (kind, full bytes from the call); their group is the
+# third positional argument (or ``group=``) and a ProcessGroup, a name, a mesh or (mesh, dim).
+_FUNCTIONAL = {
+    "all_gather_single": ("all_gather", "gathered"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "all_reduce": ("all_reduce", "self"),
+    "broadcast": ("broadcast", "self"),
+    "all_to_all_single": ("all_to_all", "self"),
 }
 _GROUP_POSITION = {
     "all_reduce": 2,
@@ -71,7 +98,10 @@ _GROUP_POSITION = {
     "reduce_scatter_single": 3,
     "reduce_scatter_tensor": 3,
     "_reduce_scatter_base": 3,
+    "reduce": 3,
 }
+_FUNCTIONAL_GROUP_POSITION = {"all_gather_single": 2, "reduce_scatter_single": 3,
+                              "all_reduce": 2, "broadcast": 2, "all_to_all_single": 3}
 
 
 def _arg(args: tuple, index: int) -> Any:
@@ -88,6 +118,7 @@ def _nbytes(tensor: Any) -> int:
 class _GroupSpan:
     size: int
     num_nodes: int
+    tensor_parallel: bool
 
 
 @dataclass
@@ -104,20 +135,30 @@ class CommStats:
         if local_world_size < 1:
             raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
         self.local_world_size = local_world_size
-        self._counters = {kind: _Counter() for kind in KINDS}
+        self.tensor_parallel_size = 1
+        self._rows = (*KINDS, TENSOR_PARALLEL)
+        self._counters = {row: _Counter() for row in self._rows}
         self._spans: dict[int, tuple[Any, _GroupSpan]] = {}
         self._lock = threading.Lock()
 
+    def set_tensor_parallel_size(self, size: int) -> None:
+        """Groups inside one block of ``size`` consecutive ranks count as tensor-parallel."""
+        if size != self.tensor_parallel_size:
+            with self._lock:
+                self.tensor_parallel_size = size
+                self._spans.clear()
+
     def reset(self) -> None:
         with self._lock:
-            self._counters = {kind: _Counter() for kind in KINDS}
+            self._counters = {row: _Counter() for row in self._rows}
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Counters per kind plus ``"total"``; a copy, safe to keep across :meth:`reset`."""
+        """Counters per kind, ``"tensor_parallel"`` and ``"total"``; a copy, safe to keep across
+        :meth:`reset`."""
         with self._lock:
-            out = {kind: vars(c).copy() for kind, c in self._counters.items()}
+            out = {row: vars(c).copy() for row, c in self._counters.items()}
         out["total"] = {
-            key: sum(out[kind][key] for kind in KINDS)
+            key: sum(out[row][key] for row in self._rows)
             for key in ("calls", "intra_bytes", "inter_bytes")
         }
         return out
@@ -127,7 +168,7 @@ class CommStats:
         span = self._span(group)
         intra, inter = split_bytes(kind, full_bytes, size=span.size, num_nodes=span.num_nodes)
         with self._lock:
-            counter = self._counters[kind]
+            counter = self._counters[TENSOR_PARALLEL if span.tensor_parallel else kind]
             counter.calls += 1
             counter.intra_bytes += intra
             counter.inter_bytes += inter
@@ -138,7 +179,9 @@ class CommStats:
         if cached is not None and cached[0] is group:
             return cached[1]
         ranks = dist.get_process_group_ranks(group)
-        span = _GroupSpan(len(ranks), len({r // self.local_world_size for r in ranks}))
+        tp = self.tensor_parallel_size
+        span = _GroupSpan(len(ranks), len({r // self.local_world_size for r in ranks}),
+                          tensor_parallel=tp > 1 and len({r // tp for r in ranks}) == 1)
         # Keep the group referenced so its id() cannot be reused by another object.
         self._spans[id(group)] = (group, span)
         return span
@@ -148,7 +191,7 @@ def split_bytes(kind: str, full_bytes: int, *, size: int, num_nodes: int) -> tup
     """This rank's share ``(intra, inter)`` of a collective's link bytes (module docstring)."""
     if size <= 1:
         return 0.0, 0.0
-    if kind == "broadcast":
+    if kind in CHAIN_KINDS:
         total, crossing_per_link = (size - 1) * full_bytes, num_nodes - 1
         per_link = float(full_bytes)
     else:
@@ -181,6 +224,12 @@ def install(stats: CommStats) -> None:
         setattr(c10d, name, wrapper)
         if getattr(dist, name, None) is original:
             setattr(dist, name, wrapper)
+    funcol = torch_private.functional_collectives()
+    for name, (kind, size_from) in _FUNCTIONAL.items():
+        original = getattr(funcol, name, None)
+        if original is not None:
+            setattr(funcol, name, _wrap(original, kind, _FUNCTIONAL_SIZE_FROM[size_from],
+                                        _FUNCTIONAL_GROUP_POSITION[name], functional=True))
     _installed = True
 
 
@@ -201,13 +250,16 @@ def uninstall(stats: CommStats) -> None:
         _active.remove(stats)
 
 
-def _wrap(original: Callable, kind: str, size_of: Callable, group_pos: int) -> Callable:
+def _wrap(original: Callable, kind: str, size_of: Callable, group_pos: int, *,
+          functional: bool = False) -> Callable:
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         depth = getattr(_state, "depth", 0)
         if depth == 0 and _active:
             group = kwargs.get("group", _arg(args, group_pos))
-            full = size_of(args, kwargs)
+            if functional:
+                group = torch_private.resolve_functional_group(group)
+            full = size_of(args, kwargs, group)
             for stats in _active:
                 stats.record(kind, group, full)
         _state.depth = depth + 1

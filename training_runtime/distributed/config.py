@@ -1,7 +1,8 @@
 """Distribution settings the runtime reads: the ``distribution`` argument or ``DTRAIN_DISTRIBUTION``.
 
 Plain data with validation; no torch import, so the node agent can parse it cheaply. The degrees
-(``sharding_degree``, ``hierarchical_allgather``) are checked where they are turned into a plan,
+(``sharding_degree``, ``hierarchical_allgather``, ``tensor_parallel_*``, ``sequence_parallel``)
+are checked where they are turned into a plan,
 :func:`dtrain.core.parallelism.build_parallelism_plan`, the function the planner uses too.
 """
 
@@ -32,6 +33,9 @@ class DistributionConfig:
     activation_checkpointing: bool = _DEFAULTS["activation_checkpointing"]
     hierarchical_allgather: bool | str = _DEFAULTS["hierarchical_allgather"]
     attention: str = _DEFAULTS["attention"]
+    tensor_parallel_degree: int | str = _DEFAULTS["tensor_parallel_degree"]
+    tensor_parallel_mode: str = _DEFAULTS["tensor_parallel_mode"]
+    sequence_parallel: bool | str = _DEFAULTS["sequence_parallel"]
     # the launcher's plan (dtrain plan printed it); None: built at run time from the above
     parallelism: ParallelismPlan | None = None
 
@@ -55,7 +59,10 @@ class DistributionConfig:
     def plan_inputs(self) -> dict[str, Any]:
         """The settings :func:`~dtrain.core.parallelism.build_parallelism_plan` reads."""
         return {"sharding_degree": self.sharding_degree, "backend": self.backend,
-                "hierarchical_allgather": self.hierarchical_allgather}
+                "hierarchical_allgather": self.hierarchical_allgather,
+                "tensor_parallel_degree": self.tensor_parallel_degree,
+                "tensor_parallel_mode": self.tensor_parallel_mode,
+                "sequence_parallel": self.sequence_parallel}
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> DistributionConfig:

@@ -16,6 +16,7 @@ model size, the plan the same function builds once ``shard`` knows the model.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dtrain.core import contract
-from dtrain.core.parallelism import ParallelismPlan, build_parallelism_plan
+from dtrain.core.parallelism import GRID_AXES, ParallelismPlan, build_parallelism_plan
+from dtrain.core.tensor_parallel import ModelDims
 from dtrain.runtime import torch_private
 from dtrain.runtime.distributed import accumulation, comm_stats
 from dtrain.runtime.distributed.collectives import HierarchyGroups, build_hierarchy_groups
@@ -120,11 +122,12 @@ class RuntimeContext:
             ) from None
 
     def build_plan(self, *, sharding_degree: int | None = None, num_parameters: int | None = None,
-                   device_memory_bytes: float | None = None) -> ParallelismPlan | None:
+                   device_memory_bytes: float | None = None,
+                   model_dims: ModelDims | None = None) -> ParallelismPlan | None:
         """The job's parallelism plan on this world; see :func:`resolve_plan`."""
         return resolve_plan(self.config, self.facts, sharding_degree=sharding_degree,
                             num_parameters=num_parameters,
-                            device_memory_bytes=device_memory_bytes)
+                            device_memory_bytes=device_memory_bytes, model_dims=model_dims)
 
     def build_mesh(self, plan: ParallelismPlan) -> DeviceMesh:
         """The plan's ``pp × dp_replicate × dp_shard × tp`` mesh (built once per context)."""
@@ -143,6 +146,7 @@ class RuntimeContext:
         self.mesh = init_device_mesh(self.device.type, plan.mesh_shape,
                                      mesh_dim_names=plan.mesh_axis_names)
         self.plan = plan
+        self.comm_stats.set_tensor_parallel_size(plan.tp)
         return self.mesh
 
     @property
@@ -155,6 +159,34 @@ class RuntimeContext:
             return self.mesh["dp_shard"]
         return self.mesh["dp_replicate", "dp_shard"]
 
+    @property
+    def tensor_parallel_mesh(self) -> DeviceMesh | None:
+        """The ``tp`` axis (1-D) or the ``tp_row × tp_col`` grid (2-D); None without one."""
+        if self.mesh is None or self.plan is None or self.plan.tp == 1:
+            return None
+        return self.mesh[GRID_AXES] if self.plan.tp_grid else self.mesh["tp"]
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel share of the batch this rank reads (the same across its
+        tensor-parallel group); the rank itself before a plan exists."""
+        return self.plan.dp_rank(self.rank) if self.plan else self.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel shares of the batch: ``dp_replicate × dp_shard``."""
+        return self.plan.dp_degree if self.plan else self.world_size
+
+    def loss_parallel(self) -> contextlib.AbstractContextManager:
+        """Where a loss is computed on a tensor-parallel model's logits (sharded over the
+        vocabulary) and backpropagated: the parallel cross-entropy, or nothing without one.
+        ``micro_step`` and ``accumulate`` enter it for you."""
+        if self.plan is None or self.plan.tp == 1:
+            return contextlib.nullcontext()
+        from dtrain.runtime.distributed.tensor_parallel import loss_parallel
+
+        return loss_parallel(self.plan)
+
     def hierarchy_groups(self) -> HierarchyGroups:
         """Stage groups for the plan's hierarchical all-gather (created once)."""
         if self.plan is None or not self.plan.hierarchical_allgather:
@@ -165,20 +197,21 @@ class RuntimeContext:
 
     def micro_step(self, model: torch.nn.Module, *, boundary: bool):
         """Context for one micro-step; see :mod:`dtrain.runtime.distributed.accumulation`."""
-        return accumulation.micro_step(model, boundary=boundary)
+        return accumulation.micro_step(model, boundary=boundary, within=self.loss_parallel)
 
     def accumulate(
         self, model: torch.nn.Module, batches: Iterable[Any], *, steps: int | None = None
     ) -> Iterator[accumulation.MicroStep]:
         """Micro-steps of ``gradient_accumulation_steps`` (or ``steps``) per optimizer step."""
         return accumulation.accumulate(
-            model, batches, steps=steps or self.config.gradient_accumulation_steps
-        )
+            model, batches, steps=steps or self.config.gradient_accumulation_steps,
+            within=self.loss_parallel)
 
 
 def resolve_plan(config: DistributionConfig, facts: ProcessFacts, *,
                  sharding_degree: int | None = None, num_parameters: int | None = None,
-                 device_memory_bytes: float | None = None) -> ParallelismPlan | None:
+                 device_memory_bytes: float | None = None,
+                 model_dims: ModelDims | None = None) -> ParallelismPlan | None:
     """The plan the runtime uses: the launcher's (what ``dtrain plan`` printed) when it was made
     for this world and nothing overrides it, else the planner's own function on this world
     (``sharding_degree`` overrides the setting). None: ``auto`` without ``num_parameters``."""
@@ -192,7 +225,8 @@ def resolve_plan(config: DistributionConfig, facts: ProcessFacts, *,
         inputs["sharding_degree"] = sharding_degree
     return build_parallelism_plan(
         inputs, world_size=facts.world_size, devices_per_node=facts.local_world_size,
-        num_parameters=num_parameters, device_memory_bytes=device_memory_bytes)
+        num_parameters=num_parameters, device_memory_bytes=device_memory_bytes,
+        model_dims=model_dims)
 
 
 def resolve_backend(requested: str, *, cuda_available: bool) -> str:

@@ -1,4 +1,8 @@
-"""``dtrain.runtime.shard()``: MiCS sharded data parallelism on FSDP2.
+"""``dtrain.runtime.shard()``: tensor parallelism, then MiCS sharded data parallelism on FSDP2.
+
+With a ``tp`` axis in the plan, the model is first split by its family's tensor-parallel plan
+(:mod:`dtrain.runtime.distributed.tensor_parallel`), then MiCS shards what each rank holds over
+the data-parallel axes (parameters become DTensors on ``dp × tp``, torchtitan's order).
 
 The plan's ``dp_shard`` mesh axis is a MiCS partition group: parameters, gradients
 and optimizer states are sharded inside it and replicated across groups. ``fully_shard`` is
@@ -20,9 +24,11 @@ from collections.abc import Iterable
 
 import torch
 from dtrain.core.parallelism import ParallelismPlan
+from dtrain.core.tensor_parallel import ModelDims
 from dtrain.runtime import torch_private
 from dtrain.runtime.distributed.collectives import HierarchicalAllGather
 from dtrain.runtime.distributed.context import RuntimeContext
+from dtrain.runtime.distributed.tensor_parallel import apply_tensor_parallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -47,6 +53,8 @@ def shard(
     ``ctx.device`` after sharding and initialised with its ``init_weights()``.
     """
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
+    if ctx.plan.tp > 1:  # before checkpoint wrapping, which renames the modules a plan names
+        apply_tensor_parallel(model, ctx.tensor_parallel_mesh, ctx.plan)
     fsdp_mesh = ctx.data_parallel_mesh
     policy = build_mixed_precision_policy(
         mixed_precision or ctx.config.mixed_precision, device=ctx.device
@@ -73,9 +81,11 @@ def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
     """The context's plan; with ``override`` or ``auto`` the same planning function again."""
     if ctx.plan is not None and override in (None, ctx.plan.dp_shard):
         return ctx.plan
+    config = getattr(model, "hf_config_dict", None)
     plan = ctx.build_plan(sharding_degree=override,
                           num_parameters=sum(p.numel() for p in model.parameters()),
-                          device_memory_bytes=device_memory_bytes(ctx))
+                          device_memory_bytes=device_memory_bytes(ctx),
+                          model_dims=ModelDims.from_hf_config(config()) if config else None)
     assert plan is not None  # auto with a parameter count and a memory size always resolves
     return plan
 

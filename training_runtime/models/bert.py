@@ -8,7 +8,6 @@ The output decoder's weight is tied to the word embeddings; its bias is the head
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -112,13 +111,13 @@ class BertSelfAttention(nn.Module):
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        batch, seq, hidden = x.shape
+        batch, seq, _ = x.shape
         q, k, v = (proj(x).view(batch, seq, self.num_heads, -1).transpose(1, 2)
                    for proj in (self.query, self.key, self.value))
+        # scale: attention's default, 1/sqrt(head_dim)
         out = attention(q, k, v, backend=self.backend, causal=False,
-                        key_padding_mask=attention_mask,
-                        scale=1.0 / math.sqrt(hidden // self.num_heads))
-        return out.transpose(1, 2).reshape(batch, seq, hidden)
+                        key_padding_mask=attention_mask)
+        return out.transpose(1, 2).reshape(batch, seq, -1)
 
 
 class BertResidualOutput(nn.Module):

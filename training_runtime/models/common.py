@@ -124,8 +124,23 @@ class _ActivationThenLinear(torch.autograd.Function):
 def activation_then_linear(h: torch.Tensor, act: Activation, linear: nn.Linear) -> torch.Tensor:
     """``linear(act(h))`` -- the second half of every MLP here -- keeping ``h`` but not
     ``act(h)`` for backward. Same values and gradients as the plain composition, also under
-    autocast."""
-    weight, bias = linear.weight, linear.bias
+    autocast.
+
+    A layer that computes its product itself (a tensor-parallel layer, whose weight is split over
+    ranks) offers ``activation_then_forward(h, act)`` and keeps the same saving through
+    :func:`activation_then_matmul` on its own blocks; any other tensor-subclass weight or input
+    runs the plain composition through the module."""
+    own = getattr(linear, "activation_then_forward", None)
+    if own is not None:
+        return own(h, act)
+    if type(linear.weight) not in (torch.Tensor, nn.Parameter) or type(h) is not torch.Tensor:
+        return linear(act(h))
+    return activation_then_matmul(h, act, linear.weight, linear.bias)
+
+
+def activation_then_matmul(h: torch.Tensor, act: Activation, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(act(h), weight, bias)`` on plain tensors, keeping ``h`` alone for backward."""
     device_type = h.device.type
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         # Cast as autocast casts F.linear's inputs, and run with autocast off: backward's

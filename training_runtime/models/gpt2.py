@@ -3,6 +3,11 @@
 HF implements GPT-2's projections as ``Conv1D``, whose weight is the transpose of an
 ``nn.Linear`` weight; we use ``nn.Linear`` (what FSDP, compile and the fused kernels expect) and
 transpose those four weights in the checkpoint mapping instead.
+
+HF's fused ``c_attn`` lays its outputs out as ``[q | k | v]``; ours are per head,
+``[q_h0, k_h0, v_h0, q_h1, ...]``, as GPT-NeoX stores them, so that any contiguous split of the
+rows is a set of whole heads (tensor parallelism splits it that way, whatever the degree, and a
+checkpoint keeps one layout at every degree). The checkpoint mapping reorders the rows.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch import nn
 
 # the Conv1D weights of a GPT-2 checkpoint, stored (in_features, out_features)
 _CONV1D_WEIGHT = re.compile(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+_C_ATTN = re.compile(r"\.attn\.c_attn\.(weight|bias)$")
 
 
 @dataclass(frozen=True)
@@ -95,12 +101,12 @@ class GPT2Attention(nn.Module):
         self.c_proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        batch, seq, hidden = x.shape
-        q, k, v = (t.view(batch, seq, self.num_heads, -1).transpose(1, 2)
-                   for t in self.c_attn(x).split(hidden, dim=-1))
+        batch, seq, _ = x.shape
+        qkv = self.c_attn(x).view(batch, seq, self.num_heads, -1)  # per head: [q, k, v]
+        q, k, v = (t.transpose(1, 2) for t in qkv.chunk(3, dim=-1))
         out = attention(q, k, v, backend=self.backend, causal=True,
                         key_padding_mask=attention_mask, scale=self.scale)
-        return self.c_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.c_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class GPT2MLP(nn.Module):
@@ -165,13 +171,31 @@ class GPT2LMHeadModel(HFCompatibleModel):
         return self.lm_head(self.transformer(input_ids, attention_mask))
 
     def from_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return _transpose_conv1d(super().from_hf_state_dict(state_dict))
+        ours = _transpose_conv1d(super().from_hf_state_dict(state_dict))
+        return _reorder_qkv(ours, self.config.num_heads, to_per_head=True)
 
     def to_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return _transpose_conv1d(super().to_hf_state_dict(state_dict))
+        hf = _reorder_qkv(super().to_hf_state_dict(state_dict), self.config.num_heads,
+                          to_per_head=False)
+        return _transpose_conv1d(hf)
 
 
 def _transpose_conv1d(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # The transpose is its own inverse, so one function maps both ways.
     return {key: value.t().contiguous() if _CONV1D_WEIGHT.search(key) else value
+            for key, value in state_dict.items()}
+
+
+def _reorder_qkv(state_dict: dict[str, torch.Tensor], heads: int, *, to_per_head: bool
+                 ) -> dict[str, torch.Tensor]:
+    """``c_attn`` rows (as an ``nn.Linear`` weight or bias): HF's ``[q | k | v]`` <-> per head."""
+    def reorder(value: torch.Tensor) -> torch.Tensor:
+        rest = value.shape[1:]
+        if to_per_head:  # (3, heads, d, ...) -> (heads, 3, d, ...)
+            grouped = value.reshape(3, heads, -1, *rest).transpose(0, 1)
+        else:  # (heads, 3, d, ...) -> (3, heads, d, ...)
+            grouped = value.reshape(heads, 3, -1, *rest).transpose(0, 1)
+        return grouped.reshape(value.shape).contiguous()
+
+    return {key: reorder(value) if _C_ATTN.search(key) else value
             for key, value in state_dict.items()}

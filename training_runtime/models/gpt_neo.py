@@ -102,12 +102,12 @@ class GPTNeoSelfAttention(nn.Module):
         self.out_proj = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        batch, seq, hidden = x.shape
+        batch, seq, _ = x.shape
         q, k, v = (proj(x).view(batch, seq, self.num_heads, -1).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         out = attention(q, k, v, backend=self.backend, causal=True, scale=1.0,
                         key_padding_mask=attention_mask, window_size=self.window_size)
-        return self.out_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class GPTNeoAttention(nn.Module):

@@ -96,7 +96,7 @@ class GPTNeoXAttention(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        batch, seq, hidden = x.shape
+        batch, seq, _ = x.shape
         qkv = self.query_key_value(x).view(batch, seq, self.num_heads, 3 * self.head_dim)
         q, k, v = qkv.chunk(3, dim=-1)  # each (batch, seq, heads, head_dim)
         if self.rotary_dim:
@@ -109,7 +109,7 @@ class GPTNeoXAttention(nn.Module):
             v = v.contiguous()
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         backend=self.backend, causal=True, key_padding_mask=attention_mask)
-        return self.dense(out.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.dense(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class GPTNeoXMLP(nn.Module):

@@ -91,7 +91,7 @@ class GPTJAttention(nn.Module):
         self.out_proj = nn.Linear(hidden, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        batch, seq, hidden = x.shape
+        batch, seq, _ = x.shape
         q, k, v = (proj(x).view(batch, seq, self.num_heads, -1)  # (batch, seq, heads, dim)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         cos, sin = rotary_cos_sin(seq, self.rotary_dim, base=ROTARY_BASE, device=x.device,
@@ -100,7 +100,7 @@ class GPTJAttention(nn.Module):
         k = apply_rotary(k, cos, sin, interleaved=True)
         out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         backend=self.backend, causal=True, key_padding_mask=attention_mask)
-        return self.out_proj(out.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class GPTJMLP(nn.Module):

@@ -142,11 +142,11 @@ def save_tokenizer_info(dataset: TokenDataset, model_dir: Path) -> None:
 
 
 def run_recipe(args: argparse.Namespace, *,
-               make_loss_fn: Callable[[argparse.Namespace, TokenDataset], Any],
+               make_loss_fn: Callable[[argparse.Namespace, TokenDataset, Any], Any],
                window: int) -> int:
     """Init, load data and model, shard, train, save; returns the process exit code.
 
-    ``make_loss_fn(args, dataset)`` returns the Trainer's ``loss_fn(model, batch)``.
+    ``make_loss_fn(args, dataset, ctx)`` returns the Trainer's ``loss_fn(model, batch)``.
     """
     import dtrain.runtime as rt
 
@@ -159,9 +159,10 @@ def run_recipe(args: argparse.Namespace, *,
                          if args.activation_checkpointing is None
                          else args.activation_checkpointing)
         model = rt.shard(model, ctx, activation_checkpointing=checkpointing)
+        # ranks of one tensor-parallel group read the same batch
         loader = DistributedTokenLoader(
             dataset, window=window, micro_batch_size=args.micro_batch_size,
-            dp_rank=ctx.rank, dp_world_size=ctx.world_size, seed=args.seed)
+            dp_rank=ctx.dp_rank, dp_world_size=ctx.dp_world_size, seed=args.seed)
         interval, keep_last = checkpoint_settings(args)
         config = TrainerConfig(
             steps=args.steps, lr=args.lr, warmup_steps=min(args.warmup_steps, args.steps),
@@ -170,7 +171,7 @@ def run_recipe(args: argparse.Namespace, *,
             checkpoint_interval=interval, keep_last=keep_last)
         flops = metrics.model_flops_per_token(model, seq_len=args.seq_len,
                                               activation_checkpointing=checkpointing)
-        loss_fn = make_loss_fn(args, dataset)
+        loss_fn = make_loss_fn(args, dataset, ctx)
         trainer = Trainer(model, ctx, loss_fn, config=config, flops_per_token=flops)
         result = trainer.fit(loader)
         if ctx.is_main and not result.preempted:

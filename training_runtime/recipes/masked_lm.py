@@ -9,6 +9,7 @@ Masking follows BERT: of the chosen 15%, 80% become ``<mask>``, 10% a random tok
 It is drawn from a generator seeded by (seed, micro-batch number, rank), so it is deterministic
 and survives a resume without saving any RNG. The loss is the mean over each rank's masked
 tokens (ranks with more masked tokens weigh the same as the others; fine for pre-training).
+The ranks of a tensor-parallel group draw the same masks (the seed takes the data-parallel rank).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,12 +44,14 @@ def mask_tokens(tokens: torch.Tensor, rng: np.random.Generator, *, mask_id: int,
     return torch.from_numpy(inputs.astype(np.int64)), torch.from_numpy(labels.astype(np.int64))
 
 
-def masked_lm_loss(args: argparse.Namespace, dataset: TokenDataset) -> Callable[..., tuple]:
+def masked_lm_loss(args: argparse.Namespace, dataset: TokenDataset,
+                   ctx: Any = None) -> Callable[..., tuple]:
     mask_id = dataset.special_tokens.get("<mask>")
     if mask_id is None:
         raise ValueError("the data's tokenizer has no <mask> token; tokenize it with "
                          "`python -m dtrain.runtime.train.tokenize` (byte or bpe both add one)")
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    # the data-parallel rank: the ranks of a tensor-parallel group mask their batch alike
+    rank = ctx.dp_rank if ctx is not None else (dist.get_rank() if dist.is_initialized() else 0)
 
     def loss_fn(model: nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, int]:
         rng = np.random.default_rng([args.seed, batch.index, rank])

@@ -9,7 +9,8 @@ QKᵀ and AV products, forward and backward (PaLM, appendix B). With activation 
 forward runs twice, so ×4/3 — this counts the hardware's work, as the planner does (strictly
 "MFU" excludes recomputation; ours is then HFU).
 
-``tflops_per_gpu = flops_per_token × tokens_per_s / world_size / 1e12`` and
+``tflops_per_gpu = flops_per_token × tokens_per_s / world_size / 1e12`` (tokens counted once per
+data-parallel rank: a tensor-parallel group trains on one batch) and
 ``mfu = tflops_per_gpu / peak``, where peak is the instance catalog's dense half-precision
 TFLOP/s, the first of: ``DTRAIN_PEAK_TFLOPS`` (set it for a GPU the catalog lacks); the figure of
 the job's instance type (``DTRAIN_INSTANCE_TYPE``, else ``SM_CURRENT_INSTANCE_TYPE``); on a GPU
@@ -137,13 +138,19 @@ def _tensorboard_writer(folder: Path) -> Any:
 
 def throughput_metrics(
     *, tokens: int, seconds: float, flops_per_token: float, world_size: int,
-    peak_tflops: float,
+    peak_tflops: float, replicas: int | None = None,
 ) -> dict[str, float]:
-    """tokens_per_s (all ranks), tflops_per_gpu and mfu over an interval."""
+    """tokens_per_s (the job's, each token once), tokens_per_s_per_replica (per data-parallel
+    rank: a tensor-parallel group counts as one), tflops_per_gpu and mfu over an interval.
+
+    ``tokens`` counts every token once, however many tensor-parallel ranks shared its work, so
+    the FLOPs are the model's (``flops_per_token`` from the full parameter count) spread over
+    all ``world_size`` devices, not counted again per shard."""
     tokens_per_s = tokens / seconds if seconds > 0 else 0.0
     tflops = flops_per_token * tokens_per_s / world_size / 1e12
-    return {"tokens_per_s": tokens_per_s, "tflops_per_gpu": tflops,
-            "mfu": tflops / peak_tflops if peak_tflops else 0.0}
+    return {"tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_replica": tokens_per_s / (replicas or world_size),
+            "tflops_per_gpu": tflops, "mfu": tflops / peak_tflops if peak_tflops else 0.0}
 
 
 def comm_metrics(snapshot: dict[str, dict[str, float]], *, steps: int) -> dict[str, float]:
@@ -153,7 +160,11 @@ def comm_metrics(snapshot: dict[str, dict[str, float]], *, steps: int) -> dict[s
     logged step (loss and token sums); their bytes are negligible.
     """
     total = snapshot.get("total", {})
+    tensor_parallel = snapshot.get("tensor_parallel", {})
     steps = max(steps, 1)
     return {"comm_intra_bytes_per_step": total.get("intra_bytes", 0.0) / steps,
             "comm_inter_bytes_per_step": total.get("inter_bytes", 0.0) / steps,
-            "comm_calls_per_step": total.get("calls", 0) / steps}
+            "comm_calls_per_step": total.get("calls", 0) / steps,
+            # of which tensor parallelism's (inside a node)
+            "comm_tp_bytes_per_step": (tensor_parallel.get("intra_bytes", 0.0)
+                                       + tensor_parallel.get("inter_bytes", 0.0)) / steps}

@@ -1,7 +1,7 @@
 """AdamW with the usual decay split, sharding-aware gradient clipping and a loss scaler for fp16.
 
 Gradients of a sharded model are DTensors: each rank holds a shard, so a local norm would be
-wrong. ``torch.nn.utils.get_total_norm`` on DTensors returns a DTensor whose ``full_tensor()``
+wrong (see :func:`total_grad_norm` for gradients on several meshes). ``torch.nn.utils.get_total_norm`` on DTensors returns a DTensor whose ``full_tensor()``
 reduces across the mesh (the sum of squares over shards; replicas are not double counted), which
 is the norm a single process would compute on the whole model. torchtitan clips the same way.
 """
@@ -32,13 +32,26 @@ def build_optimizer(
 
 
 def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
-    """The L2 norm of all gradients, across shards; a plain 0-d tensor."""
+    """The L2 norm of all gradients, across shards; a plain 0-d tensor.
+
+    With tensor parallelism the gradients live on different meshes (``dp × tp`` for split
+    layers, ``dp`` alone for the rest, the 2-D grid's own): each mesh's norm is reduced on it,
+    then the norms are combined, since one DTensor reduction cannot span meshes.
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    full_tensor = getattr(norm, "full_tensor", None)
-    return full_tensor() if callable(full_tensor) else norm
+    by_mesh: dict = {}
+    for grad in grads:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        full_tensor = getattr(norm, "full_tensor", None)
+        norms.append(full_tensor() if callable(full_tensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 
 def scale_grads_(parameters: Iterable[nn.Parameter], factor: float) -> None:

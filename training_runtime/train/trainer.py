@@ -38,6 +38,7 @@ from dtrain.runtime.train.checkpoint import CheckpointManager, save_hf_model
 from dtrain.runtime.train.optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
 from dtrain.runtime.train.schedule import WarmupCosine
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, int]]
 
@@ -164,7 +165,7 @@ class Trainer:
             with self.ctx.micro_step(self.model, boundary=index == steps - 1):
                 loss, batch_tokens = self.loss_fn(self.model, batch)
                 (loss * (self.scaler.scale / steps)).backward()
-            loss_sum += loss.detach().float().cpu()
+            loss_sum += _local_value(loss.detach()).float().cpu()
             tokens += batch_tokens
         grad_norm, scaled_norm = clip_and_unscale_(
             self.params, max_norm=self.config.max_grad_norm, loss_scale=self.scaler.scale)
@@ -221,15 +222,23 @@ class Trainer:
         seconds = time.perf_counter() - window.start
         record = {"loss": sums[0].item() / (world * window.steps), "lr": window.lr,
                   "grad_norm": window.grad_norm}
+        # A tensor-parallel group trains on one batch: its ranks' tokens are counted once.
+        plan = getattr(self.ctx, "plan", None)
         record.update(m.throughput_metrics(
-            tokens=int(sums[1].item()), seconds=seconds, flops_per_token=self.flops_per_token,
-            world_size=world, peak_tflops=self.peak))
+            tokens=round(sums[1].item() / (plan.tp if plan else 1)), seconds=seconds,
+            flops_per_token=self.flops_per_token, world_size=world, peak_tflops=self.peak,
+            replicas=plan.dp_degree if plan else world))
         record["peak_memory_bytes"] = float(m.peak_memory_bytes(self.ctx.device))
         record.update(m.comm_metrics(self.ctx.comm_stats.snapshot(), steps=window.steps))
         self.ctx.comm_stats.reset()
         if self.scaler.enabled:
             record["loss_scale"] = self.scaler.scale
         return record
+
+
+def _local_value(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: tensor parallelism's loss is a replicated DTensor."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class _Window:

@@ -1,0 +1,68 @@
+"""Sizing a partition group to a model (STDLIB ONLY): ``sharding_degree: auto``.
+
+:func:`dtrain.core.parallelism.build_parallelism_plan` resolves ``auto`` degrees with these
+functions; the planner passes the bytes a device needs beyond the model states (activations, the
+unsharded layer being computed).
+"""
+
+from __future__ import annotations
+
+# Mixed-precision Adam keeps, per parameter: fp32 sharded parameter (4) + fp32 gradient (4) +
+# Adam first and second moments (4 + 4) = 16 bytes, divided by the ranks that shard them.
+MODEL_STATE_BYTES_PER_PARAM = 16
+DEFAULT_HEADROOM = 0.2
+
+
+def model_state_bytes_per_gpu(num_parameters: int, sharding_degree: int) -> float:
+    """Parameters + gradients + optimizer states held by one GPU at this sharding degree."""
+    return num_parameters * MODEL_STATE_BYTES_PER_PARAM / sharding_degree
+
+
+def fits(num_parameters: int | None, sharding_degree: int, device_memory_bytes: float | None,
+         other_bytes_per_gpu: float, *, headroom: float = DEFAULT_HEADROOM) -> bool:
+    """Whether one GPU holds its model states and ``other_bytes_per_gpu`` with headroom."""
+    if num_parameters is None or not device_memory_bytes:
+        return True
+    budget = device_memory_bytes * (1.0 - headroom) - other_bytes_per_gpu
+    return model_state_bytes_per_gpu(num_parameters, sharding_degree) <= budget
+
+
+def candidate_degrees(world_size: int, gpus_per_node: int) -> list[int]:
+    """Partition-group sizes that keep groups aligned to nodes, smallest first.
+
+    A group is either a divisor of one node's GPUs (it stays inside a node) or a whole number
+    of nodes (it never splits a node). Every candidate divides the world size.
+    """
+    per_node = max(1, min(gpus_per_node, world_size))
+    sizes = {d for d in range(1, per_node + 1) if per_node % d == 0}
+    sizes |= {k * per_node for k in range(1, world_size // per_node + 1)}
+    return sorted(d for d in sizes if world_size % d == 0)
+
+
+def choose_sharding_degree(
+    *,
+    num_parameters: int,
+    world_size: int,
+    gpus_per_node: int,
+    device_memory_bytes: float,
+    other_bytes_per_gpu: float = 0.0,
+    headroom: float = DEFAULT_HEADROOM,
+) -> int:
+    """The smallest node-aligned partition group whose GPUs hold the model states with headroom.
+
+    ``other_bytes_per_gpu`` is what does not shrink with sharding (activations, the unsharded
+    layer being computed). Raises ``ValueError`` when even a full shard does not fit.
+    """
+    budget = device_memory_bytes * (1.0 - headroom) - other_bytes_per_gpu
+    for degree in candidate_degrees(world_size, gpus_per_node):
+        if model_state_bytes_per_gpu(num_parameters, degree) <= budget:
+            return degree
+    need = model_state_bytes_per_gpu(num_parameters, world_size) + other_bytes_per_gpu
+    raise ValueError(
+        f"the model ({num_parameters / 1e9:.2f}B parameters) needs {need / 2**30:.1f} GiB per "
+        f"device even fully sharded over {world_size} devices, more than "
+        f"{device_memory_bytes * (1 - headroom) / 2**30:.1f} GiB usable; add instances, use a "
+        "larger instance type, or enable distribution.activation_checkpointing"
+    )
+
+

@@ -1,0 +1,228 @@
+"""Optimus-style 2-D tensor parallelism: SUMMA matrix products on a ``q × q`` grid.
+
+Rank ``(i, j)`` of the grid (``i`` its row: the ``tp_row`` mesh coordinate, ``j`` its column)
+holds block ``(i, j)`` of every activation, ``X[i][j]``: the ``i``-th slice of the micro-batch and
+the ``j``-th slice of the features. So every rank keeps ``1/q²`` of the activations (1-D tensor
+parallelism keeps whole copies of the layer inputs). A weight ``A`` (``in × out``) is split into
+``q × q`` blocks too; ``Y = X A`` is computed as SUMMA does (van de Geijn & Watts 1997, the
+products of Optimus, Xu et al. 2021): for ``k = 0 … q-1``, rank ``(i, k)`` broadcasts ``X[i][k]``
+along grid row ``i``, rank ``(k, j)`` broadcasts ``A[k][j]`` down grid column ``j``, and rank
+``(i, j)`` adds ``X[i][k] A[k][j]`` to ``Y[i][j]``. The backward does the same with the
+products ``dX = dY Aᵀ`` and ``dA = Xᵀ dY``, reducing partial sums to the rank that owns the block.
+A rank holds one broadcast block at a time, never a whole row of the grid.
+
+Two layouts of an ``nn.Linear`` weight ``W`` (``out × in``, ``A = Wᵀ``) as a DTensor on the grid
+mesh (placements for ``(tp_row, tp_col)``):
+
+* ``AB``  ``(Shard(1), Shard(0))``: rank ``(i, j)`` holds ``W[out_j, in_i]`` (= ``A[i][j]ᵀ``); the
+  block layers;
+* ``ABT`` ``(Shard(0), Shard(1))``: rank ``(i, j)`` holds ``W[out_i, in_j]``, the layout of the
+  grid embedding's table, so the LM head tied to it computes ``X Wᵀ`` with ``W`` as stored.
+
+Both leave the output split like the input: rows of the batch by grid row, features by column.
+DTensor's own propagation is not used for these products: for a weight sharded on both dims it
+all-gathers the weight and returns full-size gradients (measured on torch 2.13).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class Grid:
+    """This rank's place on the ``q × q`` grid and the groups of its row and column."""
+
+    mesh: DeviceMesh  # ("tp_row", "tp_col")
+    q: int
+    row: int  # i
+    col: int  # j
+    row_group: dist.ProcessGroup  # grid row i: ranks (i, 0..q-1)
+    col_group: dist.ProcessGroup  # grid column j: ranks (0..q-1, j)
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> Grid:
+        q = mesh.size(0)
+        assert mesh.ndim == 2 and mesh.size(1) == q, mesh
+        return cls(mesh, q, mesh.get_local_rank(0), mesh.get_local_rank(1),
+                   row_group=mesh.get_group(1), col_group=mesh.get_group(0))
+
+    def in_row(self, k: int) -> int:
+        """Global rank of ``(i, k)``."""
+        return dist.get_global_rank(self.row_group, k)
+
+    def in_col(self, k: int) -> int:
+        """Global rank of ``(k, j)``."""
+        return dist.get_global_rank(self.col_group, k)
+
+
+def _broadcast(mine: torch.Tensor, *, owner: bool, src: int, group, shape) -> torch.Tensor:
+    block = mine.contiguous() if owner else mine.new_empty(shape)
+    dist.broadcast(block, src=src, group=group)
+    return block
+
+
+def _reduce(partial: torch.Tensor, *, dst: int, group) -> torch.Tensor:
+    dist.reduce(partial, dst=dst, op=dist.ReduceOp.SUM, group=group)
+    return partial
+
+
+class _SummaAB(torch.autograd.Function):
+    """``Y = act(X) Wᵀ + b`` with ``W`` in the AB layout (module docstring); 2-D ``x`` of local
+    rows. With an activation only ``x`` is kept: ``act(x)`` is recomputed in backward (the
+    saving of :func:`dtrain.runtime.models.common.activation_then_linear`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grid: Grid, act):
+        ctx.grid, ctx.act = grid, act
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        xa = x if act is None else act(x)
+        out = x.new_zeros(x.shape[0], weight.shape[0])
+        for k in range(grid.q):
+            xk = _broadcast(xa, owner=grid.col == k, src=grid.in_row(k), group=grid.row_group,
+                            shape=(x.shape[0], weight.shape[1]))
+            wk = _broadcast(weight, owner=grid.row == k, src=grid.in_col(k),
+                            group=grid.col_group, shape=weight.shape)
+            out.addmm_(xk, wk.t())
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grid = ctx.grid
+        xa = x if ctx.act is None else ctx.act(x)
+        grad_out = grad_out.contiguous()
+        grad_x = grad_w = None
+        for k in range(grid.q):
+            # dX[i][k] = sum_j dY[i][j] W[out_j, in_k], reduced along row i to (i, k)
+            wk = _broadcast(weight, owner=grid.row == k, src=grid.in_col(k),
+                            group=grid.col_group, shape=weight.shape)
+            got = _reduce(grad_out @ wk, dst=grid.in_row(k), group=grid.row_group)
+            grad_x = got if grid.col == k else grad_x
+            # dW[out_j, in_k] = sum_i dY[i][j]ᵀ X[i][k], reduced down column j to (k, j)
+            xk = _broadcast(xa, owner=grid.col == k, src=grid.in_row(k), group=grid.row_group,
+                            shape=(x.shape[0], weight.shape[1]))
+            got = _reduce(grad_out.t() @ xk, dst=grid.in_col(k), group=grid.col_group)
+            grad_w = got if grid.row == k else grad_w
+        del xa
+        if ctx.act is not None:
+            grad_x = ctx.act.backward(grad_x, x)  # written over grad_x, which is ours
+        grad_b = None
+        if ctx.has_bias:  # the bias of out_j is every row's: sum the rows' tokens
+            grad_b = grad_out.sum(0)
+            dist.all_reduce(grad_b, group=grid.col_group)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _SummaABT(torch.autograd.Function):
+    """``Y = X Wᵀ`` with ``W`` in the ABT layout (module docstring); no bias."""
+
+    @staticmethod
+    def forward(ctx, x, weight, grid: Grid):
+        ctx.grid = grid
+        ctx.save_for_backward(x, weight)
+        out = None
+        for k in range(grid.q):
+            # Y[i][k] = sum_j X[i][j] W[out_k, in_j]ᵀ, reduced along row i to (i, k)
+            wk = _broadcast(weight, owner=grid.row == k, src=grid.in_col(k),
+                            group=grid.col_group, shape=weight.shape)
+            got = _reduce(x @ wk.t(), dst=grid.in_row(k), group=grid.row_group)
+            out = got if grid.col == k else out
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grid = ctx.grid
+        grad_out = grad_out.contiguous()
+        grad_x = torch.zeros_like(x)
+        grad_w = None
+        for k in range(grid.q):
+            dyk = _broadcast(grad_out, owner=grid.col == k, src=grid.in_row(k),
+                             group=grid.row_group, shape=(x.shape[0], weight.shape[0]))
+            wk = _broadcast(weight, owner=grid.row == k, src=grid.in_col(k),
+                            group=grid.col_group, shape=weight.shape)
+            grad_x.addmm_(dyk, wk)  # dX[i][j] = sum_k dY[i][k] W[out_k, in_j]
+            # dW[out_k, in_j] = sum_i dY[i][k]ᵀ X[i][j], reduced down column j to (k, j)
+            got = _reduce(dyk.t() @ x, dst=grid.in_col(k), group=grid.col_group)
+            grad_w = got if grid.row == k else grad_w
+        return grad_x, grad_w, None
+
+
+def summa_ab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: Grid,
+             act=None) -> torch.Tensor:
+    """``act(x)`` (..., in/q) times a local AB block, plus the local bias; (..., out/q)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return _SummaAB.apply(flat, weight, bias, grid, act).view(*x.shape[:-1], weight.shape[0])
+
+
+def summa_abt(x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``x`` (..., in/q) times a local ABT block; (..., out/q)."""
+    flat = x.reshape(-1, x.shape[-1])
+    return _SummaABT.apply(flat, weight, grid).view(*x.shape[:-1], weight.shape[0])
+
+
+class _GridLayerNorm(torch.autograd.Function):
+    """LayerNorm of features split along grid row ``i``: the sums behind the mean and variance
+    (forward) and behind the input gradient (backward) are all-reduced over the row. Keeps the
+    input and two statistics per token, as torch's own LayerNorm does; the weight and bias are
+    every grid row's, so their gradients are summed down the column."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps: float, size: int, grid: Grid):
+        # two passes, as torch's LayerNorm is accurate: E[x²] - E[x]² would cancel digits
+        mean = x.sum(-1, keepdim=True)
+        dist.all_reduce(mean, group=grid.row_group)
+        mean /= size
+        centred = x - mean
+        var = (centred * centred).sum(-1, keepdim=True)
+        dist.all_reduce(var, group=grid.row_group)
+        rstd = torch.rsqrt(var / size + eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.size, ctx.grid = size, grid
+        return centred * rstd * weight + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, mean, rstd = ctx.saved_tensors
+        grid = ctx.grid
+        normed = (x - mean) * rstd
+        flat_dims = tuple(range(grad_out.ndim - 1))
+        grad_wb = torch.stack([(grad_out * normed).sum(flat_dims), grad_out.sum(flat_dims)])
+        dist.all_reduce(grad_wb, group=grid.col_group)
+        grad_normed = grad_out * weight
+        sums = torch.stack([grad_normed.sum(-1), (grad_normed * normed).sum(-1)])
+        dist.all_reduce(sums, group=grid.row_group)
+        grad_x = rstd * (grad_normed - (sums[0].unsqueeze(-1)
+                                        + normed * sums[1].unsqueeze(-1)) / ctx.size)
+        return grad_x, grad_wb[0], grad_wb[1], None, None, None
+
+
+def grid_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps: float,
+                    size: int, grid: Grid) -> torch.Tensor:
+    return _GridLayerNorm.apply(x, weight, bias, eps, size, grid)
+
+
+class _SharedParameter(torch.autograd.Function):
+    """Identity on a parameter block that several ranks hold, each using it on its own slice of
+    the batch: the backward sums their gradients, so every holder gets the whole gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, group):
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def shared_parameter(weight: torch.Tensor, group) -> torch.Tensor:
+    return _SharedParameter.apply(weight, group)
