@@ -80,6 +80,7 @@ def processes_per_host(contract: c.Contract) -> int:
 def apply_environment(contract: c.Contract) -> None:
     """Set what workers inherit: SM_*/DTRAIN_* always; EFA and CPU-only defaults unless set."""
     os.environ.update(contract.worker_environment())
+    torch_private.use_a_fresh_worker_store_per_round()
     for key, value in instances.efa_environment(contract.settings.instance_type,
                                         contract.network_interface_name).items():
         os.environ.setdefault(key, value)
@@ -103,13 +104,16 @@ class RankLogsSpecs(LogsSpecs):
     """Per-rank log files with stable names (``rank-<r>.stdout.log``), teed to the agent's output.
 
     torch's default nests them under a random run folder; stable names let ``dtrain logs`` and
-    the failure report find a rank's output. Restarts get their own files so nothing is lost.
+    the failure report find a rank's output. Every start of this host's workers gets its own
+    files (``rank-<r>.attempt-<n>``), so nothing is lost: counted here, because torch's restart
+    count stays 0 on a host whose workers restart for another host's failure.
     """
 
     def __init__(self, log_dir: str):
         os.makedirs(log_dir, exist_ok=True)
         super().__init__(log_dir, redirects=Std.ALL, tee=Std.ALL)
         self._log_dir = log_dir
+        self._starts = 0
 
     @property
     def root_log_dir(self) -> str:
@@ -117,9 +121,9 @@ class RankLogsSpecs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         dest = LogsDest()
+        attempt, self._starts = self._starts, self._starts + 1
         for local_rank, env in envs.items():
-            stem = rank_log_stem(self.root_log_dir, int(env["RANK"]),
-                                 int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            stem = rank_log_stem(self.root_log_dir, int(env["RANK"]), attempt)
             dest.stdouts[local_rank] = dest.tee_stdouts[local_rank] = f"{stem}.stdout.log"
             dest.stderrs[local_rank] = dest.tee_stderrs[local_rank] = f"{stem}.stderr.log"
             dest.error_files[local_rank] = f"{stem}.error.json"
