@@ -119,15 +119,19 @@ def _local_elastic_agent() -> type:
 
 
 class HookedElasticAgent(_local_elastic_agent()):
-    """torch's local agent with three public hooks instead of its private methods:
+    """torch's local agent with four public hooks instead of its private methods:
 
     * ``workers_started()`` after each start of the worker group;
+    * ``workers_checked(result)`` after every monitoring pass;
     * ``keep_restarting(result) -> bool`` after a monitoring pass that found a failure (False:
       spend no restart on it);
     * ``workers_shut_down(exit_codes)`` with each worker's exit code (local rank -> code).
     """
 
     def workers_started(self) -> None:
+        pass
+
+    def workers_checked(self, result: Any) -> None:
         pass
 
     def keep_restarting(self, result: Any) -> bool:
@@ -143,6 +147,7 @@ class HookedElasticAgent(_local_elastic_agent()):
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
+        self.workers_checked(result)
         if result.is_failed() and not self.keep_restarting(result):
             self._remaining_restarts = 0
         return result

@@ -3,8 +3,9 @@
 Started detached by ``LocalLauncher.submit``. Runs one node agent per simulated host, each in
 its own session so the whole tree can be signalled; stops the others when one host fails (as
 SageMaker does); on SIGTERM (``dtrain stop``) stops every agent within the grace period; and
-writes what happens (the agents it started, then the final status, because it is the one
-process that sees every agent exit) to the job folder's facts file, which ``status`` reads.
+writes what happens (the agents it started, then the final status, decided by
+:mod:`.outcome`) to the job folder's facts file, which ``status`` reads. Should the monitor
+die, ``status`` and ``stop`` finish its work from the agents' exit records (:mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import subprocess
 import sys
 import time
 
-from dtrain.core import contract, states
-from dtrain.core.states import COMPLETED, FAILED, RUNNING, STARTING, STOPPED
+from dtrain.core import contract
+from dtrain.core.states import COMPLETED, FAILED, RUNNING, STARTING
 from dtrain.launcher import process
+from dtrain.launcher.local import outcome
 from dtrain.launcher.local.layout import (
     REQUEST_FILE,
     agent_log,
@@ -60,14 +62,16 @@ def wait_for_agents(agents: list[subprocess.Popen], timeout_s: float, *,
         time.sleep(0.1)
 
 
-def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every agent (they forward it to workers), SIGKILL what is left after the grace."""
+def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> set[int]:
+    """SIGTERM every agent (they forward it to workers), SIGKILL what is left after the grace;
+    returns the pids of the agents it stopped (those still running)."""
     running = [a for a in agents if a.poll() is None]
     _signal_groups(running, signal.SIGTERM)
     wait_for_agents(running, grace_s + 5)  # the agents' own grace plus their shutdown
     _signal_groups(agents, signal.SIGKILL)  # their workers too, should any outlive them
     for agent in agents:
         agent.wait()
+    return {a.pid for a in running}
 
 
 def _signal_groups(agents: list[subprocess.Popen], sig: int) -> None:
@@ -76,51 +80,6 @@ def _signal_groups(agents: list[subprocess.Popen], sig: int) -> None:
             os.killpg(agent.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def host_reports(request: dict, job_dir: str) -> list[tuple[dict, str]]:
-    """(failure.json, failure text) of every host that wrote them."""
-    found = []
-    for host in request["payload"]["hosts"]:
-        paths = contract.Paths(host_root(job_dir, host))
-        try:
-            with open(paths.failure_details_file) as f:
-                details = json.load(f)
-            with open(paths.failure_file) as f:
-                text = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        if isinstance(details, dict):
-            found.append((details, text))
-    return found
-
-
-def root_cause(request: dict, job_dir: str) -> str:
-    """The earliest failure any host reported (other hosts usually fail as a consequence).
-
-    max_run comes first, then crashes, then interruptions (which a crash elsewhere can cause).
-    """
-    found = [({"max_run": 0, "interrupted": 2}.get(details.get("reason"), 1),
-              details.get("timestamp") or 0, text)
-             for details, text in host_reports(request, job_dir)]
-    return min(found)[2] if found else ""
-
-
-def final_state(request: dict, job_dir: str, codes: list[int], *,
-                stopped_by_user: bool) -> tuple[str, str | None]:
-    """(status, failure reason) from the agents' exit codes and reports.
-
-    Every agent exiting 0 is Completed even after a stop: the workers finished the job (a stop
-    during the final model save lets it finish). A stop that cut the final model save short says
-    so, since the model then has to come from the last checkpoint.
-    """
-    if states.outcome(codes) == COMPLETED:
-        return COMPLETED, None
-    if stopped_by_user:
-        notes = [d["model_note"] for d, _ in host_reports(request, job_dir) if d.get("model_note")]
-        return STOPPED, "stopped by user" + (f"; {notes[0]}" if notes else "")
-    reason = root_cause(request, job_dir) or f"node agent exit codes {codes}; see `dtrain logs`"
-    return states.outcome(codes), reason
 
 
 def supervise(request: dict, job_dir: str, stop_requested: list) -> None:
@@ -143,9 +102,10 @@ def supervise(request: dict, job_dir: str, stop_requested: list) -> None:
                 wait_for_agents(agents, grace + 5, stop_requested=stop_requested)
             break
         time.sleep(0.2)
-    stop_agents(agents, grace)  # a stop, or one host failed (or still runs): the job is over
-    status, reason = final_state(request, job_dir, [a.returncode for a in agents],
-                                 stopped_by_user=bool(stop_requested))
+    stopped = stop_agents(agents, grace)  # a stop, or one host failed (or still runs): it is over
+    ends = [outcome.AgentEnd(host, a.returncode, a.pid, stopped=a.pid in stopped)
+            for host, a in zip(request["payload"]["hosts"], agents)]
+    status, reason = outcome.final_state(job_dir, ends, stopped_by_user=bool(stop_requested))
     write_state(job_dir, status=status, failure_reason=reason, ended_at=time.time())
 
 

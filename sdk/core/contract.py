@@ -143,6 +143,12 @@ class Paths:
         return self._join("output", "failure.json")
 
     @property
+    def agent_exit_file(self) -> str:
+        """The node agent's exit code, written as it exits (a launcher that lost sight of it
+        reads it here)."""
+        return self._join("output", "agent_exit.json")
+
+    @property
     def logs_dir(self) -> str:
         return self._join("output", "logs")
 

@@ -1,0 +1,155 @@
+"""Faults of a local job and what the user sees: a killed monitor or node agent, two failures in
+the same second, and a stranger's process holding a pid dtrain recorded. Real monitor,
+agents and workers (plain Python scripts, so each test takes seconds).
+
+    pytest tests/integration/test_local_faults.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dtrain.jobs import api as jobs
+from dtrain.jobs.store import JobStore
+from dtrain.launcher import process
+from dtrain.launcher.local import layout
+from test_local import _wait_until, make_spec
+
+pytestmark = pytest.mark.slow
+
+# Each worker says it runs, then waits for the test's go (a file in the source folder).
+WAIT_FOR_GO = """
+    import os, time
+    print("up", flush=True)
+    go = os.path.join(os.path.dirname(__file__), "go")  # the source folder: shared
+    while not os.path.exists(go):
+        time.sleep(0.1)
+    """
+
+
+def submit_and_wait_until_up(spec) -> tuple[str, Path]:
+    record = jobs.submit(spec, wait=False)
+    job_dir = Path(record.target_data["job_dir"])
+    hosts = record.target_data["hosts"]
+    _wait_until(lambda: all("up" in _read(job_dir / h / "output/logs") for h in hosts),
+                timeout=90, what="every worker runs")
+    return record.id, job_dir
+
+
+def _read(logs: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in logs.glob("rank-*.stdout.log"))
+
+
+def kill_monitor(job_id: str) -> None:
+    monitor = JobStore().get(job_id).target_data["monitor"]
+    assert process.process_alive(monitor)
+    os.kill(monitor["pid"], signal.SIGKILL)
+    _wait_until(lambda: process.process_alive(monitor) is False, timeout=10,
+                what="the monitor is gone")
+
+
+def test_a_job_whose_monitor_was_killed_still_completes(tmp_path, dtrain_home, live_processes):
+    job, _ = submit_and_wait_until_up(make_spec(tmp_path, WAIT_FOR_GO, instance_count=2))
+    kill_monitor(job)
+    record = jobs.get(job)  # the workers train on: it runs, and nothing is stopped
+    assert (record.status, record.target_data["secondary_status"]) == ("Running", "MonitorGone")
+    (tmp_path / "code" / "go").touch()
+    record = jobs.wait_for(job, timeout_s=60)
+    assert (record.status, record.failure_reason) == ("Completed", None)
+    assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []
+
+
+def test_a_stop_without_a_monitor_sends_sigterm_and_waits_the_grace_period(
+        tmp_path, dtrain_home, live_processes):
+    script = """
+        import os, signal, sys, time
+        def stop(*_):
+            time.sleep(2)  # writing a stop checkpoint takes a while
+            open(os.path.join(os.environ["SM_OUTPUT_DATA_DIR"], "stop-checkpoint"), "w").close()
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, stop)
+        print("up", flush=True)
+        time.sleep(300)
+        """
+    job, job_dir = submit_and_wait_until_up(make_spec(tmp_path, script, instance_count=2))
+    kill_monitor(job)
+    record = jobs.stop(job)
+    assert (record.status, record.failure_reason) == ("Stopped", "stopped by user")
+    for host in ("algo-1", "algo-2"):
+        assert (job_dir / host / "output/data/stop-checkpoint").exists()
+        assert "because this host received SIGTERM" in \
+            (job_dir / host / "output/failure").read_text()
+    assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []
+
+
+def test_a_killed_node_agent_is_named_as_the_root_cause(tmp_path, dtrain_home, live_processes):
+    job, job_dir = submit_and_wait_until_up(make_spec(tmp_path, WAIT_FOR_GO, instance_count=2))
+    agent = layout.read_state(str(job_dir))["agents"][1]
+    assert process.process_alive(agent)
+    os.kill(agent["pid"], signal.SIGKILL)
+    record = jobs.wait_for(job, timeout_s=60)
+    assert record.status == "Failed"
+    assert record.failure_reason == (f"the node agent on algo-2 (pid {agent['pid']}) was killed "
+                                     "by SIGKILL, and its workers with it")
+    assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []
+
+
+def test_the_earlier_of_two_failures_in_the_same_second_is_the_root_cause(tmp_path):
+    # algo-2's worker fails 0.2 s before algo-1's, inside one wall-clock second: the second
+    # decides nothing, the sub-second time does.
+    script = """
+        import math, os, time
+        shared = os.path.join(os.path.dirname(__file__), "second")
+        if os.environ["SM_CURRENT_HOST"] == "algo-1":
+            with open(shared + ".tmp", "w") as f:
+                f.write(str(math.floor(time.time()) + 2))
+            os.replace(shared + ".tmp", shared)
+        while not os.path.exists(shared):
+            time.sleep(0.01)
+        second = int(open(shared).read())
+        first = os.environ["SM_CURRENT_HOST"] == "algo-2"
+        time.sleep(second + (0.1 if first else 0.3) - time.time())
+        raise ValueError("first" if first else "second")
+        """
+    record = jobs.submit(make_spec(tmp_path, script, instance_count=2), wait=True)
+    assert record.status == "Failed"
+    assert record.failure_reason.startswith("rank 1 on algo-2 exited with code 1: ValueError: "
+                                            "first"), record.failure_reason
+
+
+def test_a_process_that_is_not_the_recorded_one_is_never_signalled_and_the_job_is_lost(
+        tmp_path, dtrain_home, live_processes):
+    job, job_dir = submit_and_wait_until_up(make_spec(tmp_path, WAIT_FOR_GO, instance_count=2))
+    record, facts = JobStore().get(job), layout.read_state(str(job_dir))
+    # As after a reboot: the monitor, the agents and their workers are gone at once...
+    os.kill(record.target_data["monitor"]["pid"], signal.SIGKILL)
+    for agent in facts["agents"]:
+        os.killpg(agent["pid"], signal.SIGKILL)
+    _wait_until(lambda: live_processes(str(tmp_path), settle_s=0) == [], timeout=10,
+                what="the job's processes are gone")
+    # ...and a stranger now holds the pids dtrain recorded: for the agents, a process started at
+    # another time; for the monitor, even one started at the same time, but another program.
+    stranger = subprocess.Popen(["sleep", "300"])
+    try:
+        monitor = [sys.executable, "-m", "dtrain.launcher.local.monitor", str(job_dir)]
+        JobStore().update(job, target_data={"monitor": {**process.describe(stranger.pid),
+                                                        "cmdline": monitor}})
+        layout.write_state(str(job_dir), agents=[{**a, "pid": stranger.pid}
+                                                 for a in facts["agents"]])
+        stopped = jobs.stop(job)
+        assert stranger.poll() is None, "dtrain signalled a process it does not own"
+        assert stopped.status == "Failed"
+        assert stopped.failure_reason.startswith(
+            "lost: no process of this job runs and none left a record of how it ended, so "
+            "nothing was signalled (the local job monitor: pid "
+            f"{stranger.pid} now belongs to another process (`sleep 300`")
+        assert jobs.get(job).status == "Failed" and stranger.poll() is None
+    finally:
+        stranger.kill()
+        stranger.wait()
+
