@@ -1,6 +1,6 @@
 """Faults of a local job and what the user sees: a killed monitor or node agent, two failures in
-the same second, and a stranger's process holding a pid dtrain recorded. Real monitor,
-agents and workers (plain Python scripts, so each test takes seconds).
+the same second, a stranger's process holding a pid dtrain recorded, a full disk. Real monitor,
+agents and workers (plain Python scripts but for the full disk, so most tests take seconds).
 
     pytest tests/integration/test_local_faults.py -q
 """
@@ -8,6 +8,7 @@ agents and workers (plain Python scripts, so each test takes seconds).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from dtrain.jobs import api as jobs
 from dtrain.jobs.store import JobStore
 from dtrain.launcher import process
 from dtrain.launcher.local import layout
+from dtrain.runtime.train.checkpoint import latest_checkpoint
+from dtrain.spec.model import JobSpec
 from test_local import _wait_until, make_spec
 
 pytestmark = pytest.mark.slow
@@ -153,3 +156,56 @@ def test_a_process_that_is_not_the_recorded_one_is_never_signalled_and_the_job_i
         stranger.kill()
         stranger.wait()
 
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 32 MiB file system of its own (tmpfs; the tests run as root), unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=True)
+
+
+def test_a_full_disk_fails_the_job_naming_it_and_keeps_the_last_checkpoint_and_the_logs(
+        small_disk, tmp_path, monkeypatch, capsys, live_processes):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 3)
+    args = {"model": "gpt-neox-tiny", "micro_batch_size": 2, "seq_len": 32, "log_interval": 1,
+            "data": str(corpus)}
+    spec = JobSpec.from_dict({
+        "name": "full-disk", "entry_point": "recipe:causal_lm", "output_path": str(small_disk),
+        "hyperparameters": {**args, "steps": 1000}, "checkpoint": {"interval_steps": 2},
+        "compute": {"instance_type": "local", "processes_per_instance": 1, "max_run": 300}})
+    record = jobs.submit(spec, wait=False)
+    checkpoints = Path(record.target_data["job_dir"]) / "checkpoints"
+    host = Path(record.target_data["job_dir"]) / "algo-1"
+    _wait_until(lambda: latest_checkpoint(checkpoints) is not None, timeout=120,
+                what="the first checkpoint is complete")
+    filler = small_disk / "filler"  # leaves less room than a checkpoint (2.4 MB) needs
+    filler.write_bytes(bytes(shutil.disk_usage(small_disk).free - 300_000))
+    record = jobs.wait_for(record.id, timeout_s=120)
+    kept = latest_checkpoint(checkpoints)
+    assert record.status == "Failed"
+    assert f"error: no space left on device writing checkpoint {checkpoints}/step-" in \
+        record.failure_reason
+    assert f"the last complete checkpoint, {kept}, is intact" in record.failure_reason
+    assert not list(checkpoints.glob("*.tmp"))  # the failed save gave its room back
+    # Nothing cut short: the rank's error and the agent's copy of it are whole.
+    assert (host / "output/logs/rank-0.stderr.log").read_text().endswith("is intact\n")
+    assert "[algo-1 0]:error: no space left on device writing checkpoint" in \
+        (host / "output/agent.log").read_text()
+    assert live_processes(str(small_disk)) == []
+    # The checkpoint that was kept loads: a run on the same data resumes from it.
+    filler.unlink()
+    step = int(kept.name.split("-")[1])
+    for key, value in {"SM_MODEL_DIR": tmp_path / "model", "SM_OUTPUT_DATA_DIR": tmp_path / "out",
+                       "DTRAIN_CHECKPOINT_DIR": checkpoints}.items():
+        monkeypatch.setenv(key, str(value))
+    from dtrain.runtime.recipes import causal_lm
+
+    argv = [f"--{k}={v}" for k, v in {**args, "steps": step + 1}.items()]
+    assert causal_lm.main(argv) == 0
+    assert f"resumed from {kept} at step {step}" in capsys.readouterr().out

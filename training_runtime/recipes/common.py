@@ -16,6 +16,7 @@ import torch.distributed as dist
 from dtrain.core import contract, toolkit
 from dtrain.core.presets import count_parameters, get_preset
 from dtrain.runtime.train import metrics
+from dtrain.runtime.train.checkpoint import NoSpaceError
 from dtrain.runtime.train.data import TOKENS_FILE, DistributedTokenLoader, TokenDataset
 from dtrain.runtime.train.tokenize import encode_bytes, read_texts
 from dtrain.runtime.train.trainer import PREEMPTED_EXIT_CODE, Trainer, TrainerConfig
@@ -175,7 +176,7 @@ def run_recipe(args: argparse.Namespace, *,
         result = trainer.fit(loader)
         if ctx.is_main and not result.preempted:
             save_tokenizer_info(dataset, ctx.model_dir)
-    except ValueError as err:
+    except (ValueError, NoSpaceError) as err:  # the message says what to do
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     finally:
