@@ -159,6 +159,18 @@ def test_missing_data_is_a_one_line_error(job, capsys):
     assert "no input channel 'nope'" in capsys.readouterr().err
 
 
+def test_bad_hyperparameters_are_one_line_errors_before_any_training(job, capsys):
+    from dtrain.runtime.recipes import causal_lm
+
+    data = ["--data", str(job / "corpus.txt")]
+    assert causal_lm.main([*data, "--steps", "0"]) == 2
+    assert "error: hyperparameters.steps: 0 is not a whole number >= 1" in capsys.readouterr().err
+    assert causal_lm.main([*data, "--seq_len", "300"]) == 2  # gpt-neox-tiny has 256 positions
+    assert "error: hyperparameters.seq_len: 300 is more than the 256 positions" in \
+        capsys.readouterr().err
+    assert not (job / "model").exists() and not (job / "checkpoints").exists()
+
+
 
 def _tiny_fit(steps: int, loss_fn=None):
     """One gloo rank trains gpt-neox-tiny for ``steps`` steps; returns the Trainer and result.

@@ -15,7 +15,7 @@ import time
 
 from dtrain.core import contract as c
 from dtrain.runtime import torch_private
-from dtrain.runtime.agent import reports
+from dtrain.runtime.agent import preflight, reports
 from dtrain.runtime.agent.workers import (
     WorkerWatch,
     apply_environment,
@@ -78,6 +78,9 @@ def _run_host(paths: c.Paths, grace: int) -> int:
         contract = c.read_contract(
             paths.root, num_gpus=_torch_gpu_count(probe.settings.instance_type))
         command = build_worker_command(contract)
+        problems = preflight.input_problems(contract)
+        if problems:
+            raise ValueError("; ".join(problems))
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         reports.write_failure(paths, {"summary": f"node agent could not start: {exc}",
                               "timestamp": time.time(), "rank": None, "exit_code": 2})

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dtrain.core import contract, toolkit
+from dtrain.core import contract, recipe_inputs, toolkit
 from dtrain.core.presets import count_parameters, get_preset
 from dtrain.runtime.train import metrics
 from dtrain.runtime.train.checkpoint import NoSpaceError
@@ -40,14 +40,19 @@ def parse_bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-def build_parser(prog: str, description: str, *, model: str, lr: float) -> argparse.ArgumentParser:
+def build_parser(prog: str, description: str, *, recipe: str,
+                 lr: float) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--model", default=model, help="preset name (dtrain.core.presets) or HF folder")
-    p.add_argument("--data", default="train",
+    p.add_argument("--model", default=recipe_inputs.DEFAULT_MODELS[recipe],
+                   help="preset name (dtrain.core.presets) or HF folder")
+    p.add_argument("--data", default=recipe_inputs.DEFAULTS["data"],
                    help="channel name, a token channel folder, a .bin file or a text file")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--micro_batch_size", type=int, default=8, help="sequences per rank per micro-step")
-    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=recipe_inputs.DEFAULTS["steps"],
+                   help="optimizer steps")
+    p.add_argument("--micro_batch_size", type=int,
+                   default=recipe_inputs.DEFAULTS["micro_batch_size"],
+                   help="sequences per rank per micro-step")
+    p.add_argument("--seq_len", type=int, default=recipe_inputs.DEFAULTS["seq_len"])
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--min_lr_ratio", type=float, default=0.1)
     p.add_argument("--warmup_steps", type=int, default=10)
@@ -101,6 +106,9 @@ def load_dataset(data: str, ctx: Any) -> TokenDataset:
     path = Path(data)
     if not path.exists():
         path = ctx.channel(data)
+    problems = recipe_inputs.data_problems(path, what=f"data {data!r}")
+    if problems:
+        raise ValueError(problems[0])
     if path.is_file():
         if path.suffix == ".bin":
             return TokenDataset.open(path)
@@ -142,7 +150,7 @@ def save_tokenizer_info(dataset: TokenDataset, model_dir: Path) -> None:
     (Path(model_dir) / TOKENIZER_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def run_recipe(args: argparse.Namespace, *,
+def run_recipe(args: argparse.Namespace, *, recipe: str,
                make_loss_fn: Callable[[argparse.Namespace, TokenDataset], Any],
                window: int) -> int:
     """Init, load data and model, shard, train, save; returns the process exit code.
@@ -153,6 +161,11 @@ def run_recipe(args: argparse.Namespace, *,
 
     ctx = rt.init()
     try:
+        problems = recipe_inputs.hyperparameter_problems(
+            {key: getattr(args, key) for key in ("model", *recipe_inputs.POSITIVE)},
+            recipe=recipe)
+        if problems:
+            raise ValueError(problems[0])
         dataset = load_dataset(args.data, ctx)
         model = build_model(args.model, attention=args.attention, seed=args.seed)
         check_vocab(model, dataset)
