@@ -20,6 +20,7 @@ import datetime
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,7 @@ class RuntimeContext:
     plan: ParallelismPlan | None = None
     mesh: DeviceMesh | None = None
     _hierarchy: HierarchyGroups | None = field(default=None, repr=False)
+    _override_logged: bool = field(default=False, repr=False)
 
     rank = property(lambda self: self.facts.rank)
     local_rank = property(lambda self: self.facts.local_rank)
@@ -168,12 +170,28 @@ class RuntimeContext:
         return accumulation.micro_step(model, boundary=boundary)
 
     def accumulate(
-        self, model: torch.nn.Module, batches: Iterable[Any], *, steps: int | None = None
+        self, model: torch.nn.Module, batches: Iterable[Any], *,
+        micro_batches_per_step: int | None = None, steps: int | None = None,
     ) -> Iterator[accumulation.MicroStep]:
-        """Micro-steps of ``gradient_accumulation_steps`` (or ``steps``) per optimizer step."""
+        """Micro-steps with the 2-hop gradient sync, ``micro_batches_per_step`` of them per
+        optimizer step: by default the job's ``distribution.gradient_accumulation_steps``; another
+        value is logged as overriding it. ``steps`` is the old, deprecated name of the count."""
+        if steps is not None:
+            warnings.warn("ctx.accumulate(steps=N) is deprecated: N is micro-batches per "
+                          "optimizer step; pass micro_batches_per_step=N",
+                          DeprecationWarning, stacklevel=2)
+            if micro_batches_per_step not in (None, steps):
+                raise ValueError(f"ctx.accumulate: steps={steps} and micro_batches_per_step="
+                                 f"{micro_batches_per_step} disagree; pass only the second")
+            micro_batches_per_step = steps
+        configured = self.config.gradient_accumulation_steps
+        if micro_batches_per_step not in (None, configured) and not self._override_logged:
+            self._override_logged = True
+            logging.getLogger(__name__).warning(
+                "ctx.accumulate: %d micro-batches per optimizer step, overriding the job's "
+                "distribution.gradient_accumulation_steps=%d", micro_batches_per_step, configured)
         return accumulation.accumulate(
-            model, batches, steps=steps or self.config.gradient_accumulation_steps
-        )
+            model, batches, micro_batches_per_step=micro_batches_per_step or configured)
 
 
 def resolve_plan(config: DistributionConfig, facts: ProcessFacts, *,

@@ -23,6 +23,7 @@ finish within the agent's grace period, and ``fit`` returns normally: the job is
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -109,6 +110,11 @@ class Trainer:
             loss_scaling = ctx.config.mixed_precision == "fp16"
         self.scaler = DynamicLossScaler(enabled=loss_scaling)
         self.accumulation = config.gradient_accumulation_steps or ctx.gradient_accumulation_steps
+        if self.accumulation != ctx.gradient_accumulation_steps:  # never silently
+            logging.getLogger(__name__).warning(
+                "TrainerConfig.gradient_accumulation_steps=%d overrides the job's "
+                "distribution.gradient_accumulation_steps=%d", self.accumulation,
+                ctx.gradient_accumulation_steps)
         self.flops_per_token = flops_per_token
         self.checkpoint_dir = Path(checkpoint_dir or ctx.checkpoint_dir)
         self.model_dir = Path(model_dir or ctx.model_dir)
