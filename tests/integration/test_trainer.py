@@ -283,3 +283,28 @@ def test_a_finished_run_leaves_a_checkpoint_of_its_last_step(job):
     assert latest_checkpoint(job / "checkpoints").name == "step-000002"
     assert (job / "model" / "config.json").is_file()
 
+
+
+def test_the_final_model_save_can_be_skipped_and_an_impossible_format_is_refused_up_front(job):
+    import dtrain.runtime as rt
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.train.data import DistributedTokenLoader
+    from dtrain.runtime.train.tokenize import encode_bytes
+    from torch import nn
+
+    ctx = rt.init(distribution={"sharding_degree": 1})
+    try:
+        plain = rt.shard(nn.Sequential(nn.Embedding(512, 8), nn.Linear(8, 512)), ctx)
+        with pytest.raises(ValueError, match="model_format 'huggingface': Sequential is not one "
+                                             "of dtrain's model families; use 'auto' or "
+                                             "'safetensors'"):
+            rt.Trainer(plain, ctx, next_token_loss,
+                       config=rt.TrainerConfig(steps=1, model_format="huggingface"))
+        loader = DistributedTokenLoader(encode_bytes([CORPUS]), window=33, micro_batch_size=2)
+        result = rt.Trainer(plain, ctx, next_token_loss,
+                            config=rt.TrainerConfig(steps=2, model_format="none")).fit(loader)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (result.step, result.preempted) == (2, False)
+    assert latest_checkpoint(job / "checkpoints").name == "step-000002"
+    assert not (job / "model").exists()

@@ -88,6 +88,8 @@ class RuntimeContext:
     output_data_dir: Path
     checkpoint_dir: Path
     channels: dict[str, Path]
+    checkpoint_interval_steps: int = 0  # the spec's checkpoint.interval_steps (0: off)
+    checkpoint_keep_last: int = 2  # the spec's checkpoint.keep_last
     plan: ParallelismPlan | None = None
     mesh: DeviceMesh | None = None
     _hierarchy: HierarchyGroups | None = field(default=None, repr=False)
@@ -255,7 +257,7 @@ def init(
         intra_node_group=intra,
         inter_node_group=inter,
         comm_stats=stats,
-        **_contract_paths(),
+        **_from_contract(),
     )
     planned = config.parallelism
     if planned is not None and (planned.world_size, planned.devices_per_node) != (
@@ -336,7 +338,8 @@ def _node_groups(facts: ProcessFacts) -> tuple[dist.ProcessGroup, dist.ProcessGr
     return intra, inter
 
 
-def _contract_paths(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def _from_contract(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The job's paths and checkpoint settings, as the node agent passes them to workers."""
     env = os.environ if environ is None else environ
     default = contract.Paths(contract.DEFAULT_ROOT)
     channels = {
@@ -348,5 +351,7 @@ def _contract_paths(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "model_dir": Path(env.get("SM_MODEL_DIR", default.model_dir)),
         "output_data_dir": Path(env.get("SM_OUTPUT_DATA_DIR", default.output_data_dir)),
         "checkpoint_dir": Path(env.get(contract.CHECKPOINT_DIR_ENV, default.checkpoints_dir)),
+        "checkpoint_interval_steps": int(env.get(contract.CHECKPOINT_INTERVAL_ENV) or 0),
+        "checkpoint_keep_last": int(env.get(contract.CHECKPOINT_KEEP_LAST_ENV) or 2),
         "channels": channels,
     }

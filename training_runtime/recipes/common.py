@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -13,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dtrain.core import contract, recipe_inputs, toolkit
+from dtrain.core import recipe_inputs
 from dtrain.core.presets import count_parameters, get_preset
 from dtrain.runtime.train import metrics
 from dtrain.runtime.train.checkpoint import NoSpaceError
@@ -22,7 +21,9 @@ from dtrain.runtime.train.tokenize import encode_bytes, read_texts
 from dtrain.runtime.train.trainer import PREEMPTED_EXIT_CODE, Trainer, TrainerConfig
 from torch import nn
 
-CHECKPOINT_INTERVAL_ENV = "DTRAIN_CHECKPOINT_INTERVAL_STEPS"
+# Old aliases of the spec's checkpoint settings (which reach the Trainer through the contract).
+DEPRECATED_CHECKPOINT_ARGS = {"checkpoint_interval": "checkpoint.interval_steps",
+                              "keep_last": "checkpoint.keep_last"}
 # Models up to this size are initialised whole on the CPU before sharding, so the weights do
 # not depend on the world size (same seed, same model); bigger ones are built on the meta device.
 CPU_INIT_MAX_PARAMETERS = 1_000_000_000
@@ -59,10 +60,9 @@ def build_parser(prog: str, description: str, *, recipe: str,
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--log_interval", type=int, default=10)
-    p.add_argument("--checkpoint_interval", type=int, default=None,
-                   help=f"steps between checkpoints (default: ${CHECKPOINT_INTERVAL_ENV}, the "
-                   "job's checkpoint.interval_steps, else 0 = only on SIGTERM)")
-    p.add_argument("--keep_last", type=int, default=None, help="complete checkpoints kept")
+    for name, field_name in DEPRECATED_CHECKPOINT_ARGS.items():
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"deprecated: set {field_name} in the job spec instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", choices=("flash", "sdpa", "eager"), default=None)
     p.add_argument("--activation_checkpointing", type=parse_bool, default=None)
@@ -77,28 +77,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     return args
 
 
-def reserved_hyperparameters() -> dict[str, Any]:
-    """The job's ``dtrain_*`` settings from the contract's hyperparameters.json, if any."""
-    root = os.environ.get(contract.ROOT_ENV)
-    if not root:
-        return {}
-    path = Path(contract.Paths(root).hyperparameters_file)
-    if not path.is_file():
-        return {}
-    raw = toolkit.decode_hyperparameters(json.loads(path.read_text()))
-    return {k[len(contract.RESERVED_PREFIX):]: v for k, v in raw.items()
-            if k.startswith(contract.RESERVED_PREFIX)}
-
-
-def checkpoint_settings(args: argparse.Namespace) -> tuple[int, int]:
-    """(interval, keep_last): the argument, else the environment, else the job spec, else off."""
-    reserved = reserved_hyperparameters()
-    interval = args.checkpoint_interval
-    if interval is None:
-        interval = os.environ.get(CHECKPOINT_INTERVAL_ENV) or reserved.get(
-            "checkpoint_interval_steps") or 0
-    keep = args.keep_last or reserved.get("checkpoint_keep_last") or 2
-    return int(interval), int(keep)
+def checkpoint_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The deprecated checkpoint hyperparameters given, for TrainerConfig; each with a note."""
+    given = {name: getattr(args, name) for name in DEPRECATED_CHECKPOINT_ARGS
+             if getattr(args, name) is not None}
+    for name in given:
+        warnings.warn(f"hyperparameter {name} is deprecated: set "
+                      f"{DEPRECATED_CHECKPOINT_ARGS[name]} in the job spec, which recipes and "
+                      "the Trainer read alike", FutureWarning, stacklevel=2)
+    return given
 
 
 def load_dataset(data: str, ctx: Any) -> TokenDataset:
@@ -176,12 +163,11 @@ def run_recipe(args: argparse.Namespace, *, recipe: str,
         loader = DistributedTokenLoader(
             dataset, window=window, micro_batch_size=args.micro_batch_size,
             dp_rank=ctx.rank, dp_world_size=ctx.world_size, seed=args.seed)
-        interval, keep_last = checkpoint_settings(args)
         config = TrainerConfig(
             steps=args.steps, lr=args.lr, warmup_steps=min(args.warmup_steps, args.steps),
             min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm, log_interval=args.log_interval,
-            checkpoint_interval=interval, keep_last=keep_last)
+            **checkpoint_overrides(args))
         flops = metrics.model_flops_per_token(model, seq_len=args.seq_len,
                                               activation_checkpointing=checkpointing)
         loss_fn = make_loss_fn(args, dataset)

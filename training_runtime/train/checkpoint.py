@@ -263,6 +263,7 @@ class CheckpointManager:
 
 
 PARTIAL_SUFFIX = ".dtrain-partial"
+MODEL_INFO = "dtrain_model.json"  # beside a model saved as a safetensors state dict
 
 
 def hf_staging_dir(folder: str | Path) -> Path:
@@ -330,14 +331,17 @@ def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
     return folder
 
 
-def _publish(staging: Path, folder: Path) -> None:
-    """Move a finished HF save from ``staging`` into ``folder``; ``config.json`` goes in last."""
+def _publish(staging: Path, folder: Path, *, last: str | None = None) -> None:
+    """Move a finished model save from ``staging`` into ``folder``; the file that describes the
+    weights (``last``: ``config.json`` of an HF save, else ``dtrain_model.json``) goes in last."""
     from dtrain.runtime.models.hf_io import CONFIG_NAME
 
-    (folder / CONFIG_NAME).unlink(missing_ok=True)  # old config never describes new weights
+    last = last or CONFIG_NAME
+    for descriptor in (CONFIG_NAME, MODEL_INFO):  # an old one never describes new weights
+        (folder / descriptor).unlink(missing_ok=True)
     for stale in folder.glob("model*.safetensors*"):  # shards and index of an earlier save
         stale.unlink()
-    for item in sorted(staging.iterdir(), key=lambda path: path.name == CONFIG_NAME):
+    for item in sorted(staging.iterdir(), key=lambda path: path.name == last):
         _move_file(item, folder / item.name)
     staging.rmdir()
 
