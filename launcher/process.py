@@ -18,6 +18,11 @@ from typing import Any
 def describe(pid: int) -> dict[str, Any]:
     """Process ``pid`` of this machine, described well enough to tell later whether it runs."""
     seen = _inspect(pid)
+    deadline = time.monotonic() + 2.0
+    while seen and not seen[1] and time.monotonic() < deadline:
+        # Just started: Popen returns while exec is still mapping the new program's arguments.
+        time.sleep(0.01)
+        seen = _inspect(pid)
     return {"host": socket.gethostname(), "pid": pid, "boot_id": _boot_id(),
             "pid_namespace": _pid_namespace(), "created": seen and seen[0],
             "cmdline": seen and seen[1]}
@@ -49,7 +54,8 @@ def judge(owner: dict[str, Any] | None) -> tuple[bool | None, str]:
         return False, f"pid {pid} has exited"
     # a later process that got the same pid is not the owner: another start time or program
     created, cmdline = seen
-    if owner.get("created") not in (None, created) or owner.get("cmdline") not in (None, cmdline):
+    recorded = owner.get("cmdline")  # empty: described before its arguments were readable
+    if owner.get("created") not in (None, created) or (recorded and recorded != cmdline):
         return False, (f"pid {pid} now belongs to another process (`{' '.join(cmdline)[:80]}`, "
                        f"started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(created))})")
     return True, ""

@@ -191,9 +191,9 @@ class LocalLauncher(Launcher):
             alive, why = process.judge(state.monitor)
             facts = layout.read_state(state.job_dir)  # it may have ended while we looked
             if alive is False and facts.get("status") not in FINAL_STATUSES:
-                facts = {**facts, **recovery.settle(state.job_dir, state.hosts, facts,
-                                                    monitor_why=why,
-                                                    stopping=handle.status == STOPPING)}
+                facts = {**facts, **recovery.settle(
+                    state.job_dir, state.hosts, facts, monitor_why=why,
+                    stopping=handle.status == STOPPING, grace_s=_grace_period(state.job_dir))}
         return _update_from(facts)
 
     def hosts(self, handle: Handle) -> list[str] | None:
@@ -223,12 +223,19 @@ class LocalLauncher(Launcher):
         if not state.job_dir or alive is not False:
             return handle
         # The monitor is gone: do its part, grace period included.
-        with open(os.path.join(state.job_dir, layout.REQUEST_FILE)) as f:
-            grace = float(json.load(f)["grace_period_s"])
         facts = layout.read_state(state.job_dir)
-        facts = {**facts, **recovery.stop(state.job_dir, state.hosts, facts, grace_s=grace,
-                                          monitor_why=why)}
+        facts = {**facts, **recovery.stop(state.job_dir, state.hosts, facts, monitor_why=why,
+                                          grace_s=_grace_period(state.job_dir))}
         return journal.record(_update_from(facts))
+
+
+def _grace_period(job_dir: str) -> float:
+    """The grace period the job's agents were started with (the default if unreadable)."""
+    try:
+        with open(os.path.join(job_dir, layout.REQUEST_FILE)) as f:
+            return float(json.load(f)["grace_period_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return float(contract.DEFAULT_GRACE_PERIOD_S)
 
 
 def _update_from(facts: dict[str, Any]) -> Update:

@@ -57,15 +57,20 @@ def survey(job_dir: str, hosts: list[str], facts: dict[str, Any]) -> Survey:
 
 
 def settle(job_dir: str, hosts: list[str], facts: dict[str, Any], *, monitor_why: str,
-           stopping: bool) -> dict[str, Any]:
+           stopping: bool, grace_s: float) -> dict[str, Any]:
     """The facts ``status`` reports for a job whose monitor is gone (``monitor_why``)."""
     if not facts.get("agents"):
         return _lost(f"the local job monitor is gone ({monitor_why}) before it recorded any "
                      "node agent")
     found = survey(job_dir, hosts, facts)
     if found.running:
-        if found.failed and not facts.get("stopped_hosts"):
-            _stop(job_dir, found.running, signal.SIGTERM)  # a failed host ends the job
+        if found.failed:  # a failed host ends the job: SIGTERM, and SIGKILL after the grace
+            sent = facts.get("stop_sent_at")
+            if sent is None:
+                _stop(job_dir, found.running, signal.SIGTERM)
+            elif time.time() > float(sent) + grace_s + 5:
+                for agent in found.running.values():
+                    process.signal_group(agent, signal.SIGKILL)
         return {"secondary_status": MONITOR_GONE}
     if all(end.code is None for end in found.ends):
         gone = "; ".join(f"the node agent on {end.host} (pid {end.pid}): {end.why}"
@@ -94,13 +99,13 @@ def stop(job_dir: str, hosts: list[str], facts: dict[str, Any], *, grace_s: floa
             time.monotonic() < deadline:
         time.sleep(0.1)
     facts = {**facts, "stopped_hosts": sorted(stopped)}
-    return settle(job_dir, hosts, facts, monitor_why=monitor_why, stopping=True)
+    return settle(job_dir, hosts, facts, monitor_why=monitor_why, stopping=True, grace_s=grace_s)
 
 
 def _stop(job_dir: str, running: dict[str, dict[str, Any]], sig: int) -> set[str]:
     """Signal the process groups of the running agents proven ours; returns their hosts."""
     stopped = {host for host, agent in running.items() if process.signal_group(agent, sig)}
-    write_state(job_dir, stopped_hosts=sorted(stopped))
+    write_state(job_dir, stopped_hosts=sorted(stopped), stop_sent_at=time.time())
     return stopped
 
 

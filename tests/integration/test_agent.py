@@ -175,12 +175,10 @@ def test_bad_recipe_input_fails_the_agent_before_any_worker_starts(tmp_path):
                           hyperparameters={"seq_len": 512}, channels=["train"])
     garbage = root / "input/data/train/notes.txt"
     garbage.write_bytes(bytes(range(256)) * 16)
-    started = time.monotonic()
     agent = start_agent(root)
     output = agent.communicate(timeout=60)[0]
     assert agent.returncode == 2, output
-    assert time.monotonic() - started < 15  # no worker started, trained or failed
-    assert list((root / "output/logs").iterdir()) == []
+    assert list((root / "output/logs").iterdir()) == []  # no worker started, trained or failed
     assert Path(c.Paths(str(root)).failure_file).read_text() == (
         "node agent could not start: hyperparameters.seq_len: 512 is more than the 256 positions "
         "of model 'gpt-neox-tiny'; lower seq_len to at most 256 or use a model with more "

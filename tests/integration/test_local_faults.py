@@ -67,6 +67,26 @@ def test_a_job_whose_monitor_was_killed_still_completes(tmp_path, dtrain_home, l
     assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []
 
 
+def test_without_a_monitor_a_failed_host_still_stops_the_others_within_the_grace_period(
+        tmp_path, monkeypatch, dtrain_home, live_processes):
+    monkeypatch.setenv("DTRAIN_STOP_GRACE_PERIOD", "1")
+    script = WAIT_FOR_GO + """
+    import signal
+    if os.environ["SM_CURRENT_HOST"] == "algo-2":
+        raise ValueError("bad batch")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # algo-1 will not stop on its own
+    time.sleep(300)
+    """
+    job, _ = submit_and_wait_until_up(make_spec(tmp_path, script, instance_count=2))
+    kill_monitor(job)
+    (tmp_path / "code" / "go").touch()
+    record = jobs.wait_for(job, timeout_s=60)
+    assert record.status == "Failed"
+    assert record.failure_reason.startswith("rank 1 on algo-2 exited with code 1: ValueError: "
+                                            "bad batch"), record.failure_reason
+    assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []
+
+
 def test_a_stop_without_a_monitor_sends_sigterm_and_waits_the_grace_period(
         tmp_path, dtrain_home, live_processes):
     script = """
@@ -157,6 +177,19 @@ def test_a_process_that_is_not_the_recorded_one_is_never_signalled_and_the_job_i
         stranger.wait()
 
 
+def fill(disk: Path, *, leave: int) -> Path:
+    """Fill ``disk`` until ``leave`` bytes are free (the job writes meanwhile: measured as it
+    goes, a full disk ends it early)."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        while (free := shutil.disk_usage(disk).free) > leave:
+            try:
+                f.write(bytes(min(free - leave, 2**20)))
+            except OSError:
+                break
+    return filler
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 32 MiB file system of its own (tmpfs; the tests run as root), unmounted afterwards."""
@@ -184,8 +217,7 @@ def test_a_full_disk_fails_the_job_naming_it_and_keeps_the_last_checkpoint_and_t
     host = Path(record.target_data["job_dir"]) / "algo-1"
     _wait_until(lambda: latest_checkpoint(checkpoints) is not None, timeout=120,
                 what="the first checkpoint is complete")
-    filler = small_disk / "filler"  # leaves less room than a checkpoint (2.4 MB) needs
-    filler.write_bytes(bytes(shutil.disk_usage(small_disk).free - 300_000))
+    filler = fill(small_disk, leave=300_000)  # less room than a checkpoint (2.4 MB) needs
     record = jobs.wait_for(record.id, timeout_s=120)
     kept = latest_checkpoint(checkpoints)
     assert record.status == "Failed"
