@@ -5,6 +5,7 @@ public names are resolved lazily on first access::
 
     import dtrain.runtime as rt
 
+    hps = rt.hyperparameters()               # the spec's hyperparameters, JSON values
     ctx = rt.init()                          # process group, node groups, mesh, job paths
     model = rt.shard(model, ctx)             # MiCS = FSDP2 HSDP + hierarchical all-gather
     for micro in ctx.accumulate(model, loader):
@@ -21,6 +22,7 @@ from typing import Any
 # public name -> module that defines it (imported on first access)
 _LAZY = {
     "init": "dtrain.runtime.distributed.context",
+    "hyperparameters": "dtrain.runtime.job",
     "RuntimeContext": "dtrain.runtime.distributed.context",
     "DistributionConfig": "dtrain.runtime.distributed.config",
     "shard": "dtrain.runtime.distributed.sharding",

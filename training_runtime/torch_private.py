@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,12 @@ PRIVATE_NAMES = (
 # private members of torch's elastic agent that ``HookedElasticAgent`` overrides or reads
 PRIVATE_AGENT_METHODS = ("_start_workers", "_monitor_workers", "_shutdown")
 PRIVATE_AGENT_ATTRIBUTES = ("_pcontext", "_remaining_restarts")
+# An undocumented switch of torch's c10d rendezvous (read by the agent at each round): "1" gives
+# each round's workers a fresh store on a new port instead of the agent's store of round 0. With
+# the shared one, restarted workers find the keys of the workers they replace (gloo addresses,
+# barrier counts) and connect to dead ports or wait forever.
+FRESH_WORKER_STORE_ENV = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
+                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
 def missing_private_names() -> list[str]:
@@ -55,7 +62,15 @@ def missing_private_names() -> list[str]:
                      if cls.__module__.startswith("torch."))
     missing += [f"LocalElasticAgent.{name}" for name in PRIVATE_AGENT_ATTRIBUTES
                 if f"self.{name} =" not in source and f"self.{name}:" not in source]
+    module, variable = FRESH_WORKER_STORE_ENV
+    if variable not in inspect.getsource(importlib.import_module(module)):
+        missing.append(f"{module}'s {variable} switch")
     return missing
+
+
+def use_a_fresh_worker_store_per_round() -> None:
+    """Let every restart of the workers rendezvous in a new store (see FRESH_WORKER_STORE_ENV)."""
+    os.environ[FRESH_WORKER_STORE_ENV[1]] = "1"
 
 
 def check_torch() -> None:
@@ -127,15 +142,19 @@ def _local_elastic_agent() -> type:
 
 
 class HookedElasticAgent(_local_elastic_agent()):
-    """torch's local agent with three public hooks instead of its private methods:
+    """torch's local agent with four public hooks instead of its private methods:
 
     * ``workers_started()`` after each start of the worker group;
+    * ``workers_checked(result)`` after every monitoring pass;
     * ``keep_restarting(result) -> bool`` after a monitoring pass that found a failure (False:
       spend no restart on it);
     * ``workers_shut_down(exit_codes)`` with each worker's exit code (local rank -> code).
     """
 
     def workers_started(self) -> None:
+        pass
+
+    def workers_checked(self, result: Any) -> None:
         pass
 
     def keep_restarting(self, result: Any) -> bool:
@@ -151,6 +170,7 @@ class HookedElasticAgent(_local_elastic_agent()):
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
+        self.workers_checked(result)
         if result.is_failed() and not self.keep_restarting(result):
             self._remaining_restarts = 0
         return result

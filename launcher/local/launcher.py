@@ -4,8 +4,9 @@
 the input channels, and starts a detached monitor (``python -m dtrain.launcher.local.monitor``)
 that runs one node agent per host and writes what happens to the job folder's facts file. The
 monitor, not the CLI, owns the job, so it keeps running after ``dtrain submit --no-wait``
-returns; ``status`` reads the facts. Every process is recorded with its start time, so a stop
-never signals a process that merely got a recorded pid later.
+returns; ``status`` reads the facts, or, once the monitor is gone, what the agents left
+(:mod:`.recovery`). Every process is recorded with its start time and command line, so nothing
+signals a process that merely got a recorded pid later.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from dtrain.core import contract
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FAILED, FINAL_STATUSES, STOPPED, STOPPING
+from dtrain.core.states import FINAL_STATUSES, STOPPING
 from dtrain.launcher import agents, process, staging
-from dtrain.launcher.agents import STOP_REASON
 from dtrain.launcher.base import (
     Handle,
     JobIdentity,
@@ -34,11 +34,12 @@ from dtrain.launcher.base import (
     Update,
     runtime_settings,
 )
-from dtrain.launcher.local import layout
+from dtrain.launcher.local import layout, recovery
 
 if TYPE_CHECKING:
     from dtrain.planning.planner import Plan
     from dtrain.spec.model import JobSpec
+
 
 @dataclass(frozen=True)
 class LocalState(TargetState):
@@ -143,20 +144,19 @@ class LocalLauncher(Launcher):
     # ---------------------------------------------------------------- lifecycle
 
     def status(self, handle: Handle) -> Update:
-        """The monitor's facts; when the monitor is gone without writing an end, the job
-        ended with it (and whatever of it still runs is stopped)."""
+        """The monitor's facts; when the monitor is gone without writing an end, the facts
+        the job itself left (:mod:`dtrain.launcher.local.recovery`)."""
         state: LocalState = handle.state
         if handle.is_final or not state.job_dir:
             return Update()
         facts = layout.read_state(state.job_dir)
-        if facts.get("status") not in FINAL_STATUSES and \
-                process.process_alive(state.monitor) is False:
+        if facts.get("status") not in FINAL_STATUSES:
+            alive, why = process.judge(state.monitor)
             facts = layout.read_state(state.job_dir)  # it may have ended while we looked
-            if facts.get("status") not in FINAL_STATUSES:
-                _kill_agents(facts.get("agents", []))
-                facts = {**facts, "status": STOPPED if handle.status == STOPPING else FAILED,
-                         "failure_reason": handle.failure_reason or
-                         "the local job monitor exited unexpectedly"}
+            if alive is False and facts.get("status") not in FINAL_STATUSES:
+                facts = {**facts, **recovery.settle(
+                    state.job_dir, state.hosts, facts, monitor_why=why,
+                    stopping=handle.status == STOPPING, grace_s=_grace_period(state.job_dir))}
         return _update_from(facts)
 
     def hosts(self, handle: Handle) -> list[str] | None:
@@ -180,8 +180,23 @@ class LocalLauncher(Launcher):
         state: LocalState = handle.state
         if process.signal_process(state.monitor, signal.SIGTERM):
             return handle  # the monitor stops the agents and writes Stopped
-        _kill_agents(layout.read_state(state.job_dir).get("agents", []) if state.job_dir else [])
-        return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON))
+        alive, why = process.judge(state.monitor)
+        if not state.job_dir or alive is not False:
+            return handle
+        # The monitor is gone: do its part, grace period included.
+        facts = layout.read_state(state.job_dir)
+        facts = {**facts, **recovery.stop(state.job_dir, state.hosts, facts, monitor_why=why,
+                                          grace_s=_grace_period(state.job_dir))}
+        return journal.record(_update_from(facts))
+
+
+def _grace_period(job_dir: str) -> float:
+    """The grace period the job's agents were started with (the default if unreadable)."""
+    try:
+        with open(os.path.join(job_dir, layout.REQUEST_FILE)) as f:
+            return float(json.load(f)["grace_period_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return float(contract.DEFAULT_GRACE_PERIOD_S)
 
 
 def _update_from(facts: dict[str, Any]) -> Update:
@@ -189,8 +204,3 @@ def _update_from(facts: dict[str, Any]) -> Update:
                   started_at=facts.get("started_at"), ended_at=facts.get("ended_at"),
                   state=LocalState.changes(**{k: facts[k] for k in ("agents", "secondary_status")
                                               if k in facts}))
-
-
-def _kill_agents(agents: list[dict[str, Any]]) -> None:
-    for agent in agents:  # only the agents themselves, not processes that reuse their pids
-        process.signal_group(agent, signal.SIGKILL)

@@ -3,8 +3,9 @@
 Started detached by ``LocalLauncher.submit``. Runs one node agent per simulated host, each in
 its own session so the whole tree can be signalled; stops the others when one host fails (as
 SageMaker does); on SIGTERM (``dtrain stop``) stops every agent within the grace period; and
-writes what happens (the agents it started, then the final status, because it is the one
-process that sees every agent exit) to the job folder's facts file, which ``status`` reads.
+writes what happens (the agents it started, then the final status, decided by
+:mod:`.outcome`) to the job folder's facts file, which ``status`` reads. Should the monitor
+die, ``status`` and ``stop`` finish its work from the agents' exit records (:mod:`.recovery`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from dtrain.core import contract, logformat
 from dtrain.core.states import COMPLETED, FAILED, RUNNING, STARTING
 from dtrain.launcher import process
-from dtrain.launcher.agents import final_state
+from dtrain.launcher.agents import AgentEnd, final_state
 from dtrain.launcher.local.layout import (
     REQUEST_FILE,
     agent_log,
@@ -62,14 +63,16 @@ def wait_for_agents(agents: list[subprocess.Popen], timeout_s: float, *,
         time.sleep(0.1)
 
 
-def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every agent (they forward it to workers), SIGKILL what is left after the grace."""
+def stop_agents(agents: list[subprocess.Popen], grace_s: float) -> set[int]:
+    """SIGTERM every agent (they forward it to workers), SIGKILL what is left after the grace;
+    returns the pids of the agents it stopped (those still running)."""
     running = [a for a in agents if a.poll() is None]
     _signal_groups(running, signal.SIGTERM)
     wait_for_agents(running, grace_s + 5)  # the agents' own grace plus their shutdown
     _signal_groups(agents, signal.SIGKILL)  # their workers too, should any outlive them
     for agent in agents:
         agent.wait()
+    return {a.pid for a in running}
 
 
 def _signal_groups(agents: list[subprocess.Popen], sig: int) -> None:
@@ -78,10 +81,6 @@ def _signal_groups(agents: list[subprocess.Popen], sig: int) -> None:
             os.killpg(agent.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def host_roots(request: dict, job_dir: str) -> list[str]:
-    return [host_root(job_dir, host) for host in request["payload"]["hosts"]]
 
 
 def supervise(request: dict, job_dir: str, stop_requested: list) -> None:
@@ -104,9 +103,10 @@ def supervise(request: dict, job_dir: str, stop_requested: list) -> None:
                 wait_for_agents(agents, grace + 5, stop_requested=stop_requested)
             break
         time.sleep(0.2)
-    stop_agents(agents, grace)  # a stop, or one host failed (or still runs): the job is over
-    status, reason = final_state([a.returncode for a in agents], host_roots(request, job_dir),
-                                 stopped_by_user=bool(stop_requested))
+    stopped = stop_agents(agents, grace)  # a stop, or one host failed (or still runs): it is over
+    ends = [AgentEnd(host, a.returncode, a.pid, stopped=a.pid in stopped)
+            for host, a in zip(request["payload"]["hosts"], agents)]
+    status, reason = final_state(job_dir, ends, stopped_by_user=bool(stop_requested))
     write_state(job_dir, status=status, failure_reason=reason, ended_at=time.time())
 
 

@@ -135,7 +135,7 @@ class SlurmLauncher(Launcher):
             return Update(status=status, started_at=started_at,
                           state={**facts, **SlurmState.changes(secondary_status=secondary)})
         status, reason = states.ending(
-            slurm, reports, [layout.host_root(state.job_dir, h) for h in hosts],
+            slurm, reports, state.job_dir,
             stop_requested=handle.status == STOPPING or bool(state.stop_requested_at),
             job_id=state.slurm_job_id, checkpoint_dir=state.checkpoint_dir,
             output=layout.batch_output(state.job_dir, state.slurm_job_id))

@@ -43,22 +43,25 @@ def progress(slurm: SlurmJob) -> tuple[str, str | None]:
     return RUNNING, None if slurm.state == "RUNNING" else detail
 
 
-def ending(slurm: SlurmJob | None, reports: dict[str, dict], roots: list[str], *,
+def ending(slurm: SlurmJob | None, reports: dict[str, dict], job_dir: str, *,
            stop_requested: bool, job_id: str, output: str,
            checkpoint_dir: str) -> tuple[str, str | None]:
     """(status, failure reason) of a job Slurm says has ended (``slurm`` None: forgotten).
 
     ``reports``: each node of the job -> its ``status/<node>.json`` ({} if it never wrote one);
-    ``roots``: the nodes' contract roots, where their agents' failure reports are."""
+    the nodes' contract roots in ``job_dir`` hold their agents' failure reports."""
     codes = [report.get("exit_code") for report in reports.values()]
     if codes and all(isinstance(code, int) for code in codes):
-        return agents.final_state(codes, roots, stopped_by_user=stop_requested)
-    cause = agents.root_cause(roots) or next(
+        ends = [agents.AgentEnd(host, report["exit_code"]) for host, report in reports.items()]
+        return agents.final_state(job_dir, ends, stopped_by_user=stop_requested)
+    reported = agents.host_reports(job_dir, reports)
+    cause = agents.root_cause(job_dir, [agents.AgentEnd(host, None, stopped=True)
+                                        for host in reported]) or next(
         (r["reason"] for r in reports.values() if r.get("reason")), "")
     if any(isinstance(code, int) and states.outcome([code]) == FAILED for code in codes):
         return FAILED, cause or f"node agent exit codes {codes}; see `dtrain logs`"
     if stop_requested:
-        return STOPPED, agents.stop_reason(roots)
+        return STOPPED, agents.stop_reason(job_dir, reports)
     state = slurm.state if slurm else None
     if state in STOPPED_BY_SLURM:
         return STOPPED, STOPPED_BY_SLURM[state] + (

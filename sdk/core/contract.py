@@ -28,6 +28,9 @@ RESERVED_PREFIX = "dtrain_"
 # Environment the runtime reads besides SM_* (another engineer's MiCS runtime reads the first two).
 DISTRIBUTION_ENV = "DTRAIN_DISTRIBUTION"
 CHECKPOINT_DIR_ENV = "DTRAIN_CHECKPOINT_DIR"
+# The spec's checkpoint.interval_steps and keep_last, which the Trainer reads (recipes included).
+CHECKPOINT_INTERVAL_ENV = "DTRAIN_CHECKPOINT_INTERVAL_STEPS"
+CHECKPOINT_KEEP_LAST_ENV = "DTRAIN_CHECKPOINT_KEEP_LAST"
 MASTER_ADDR_ENV = "DTRAIN_MASTER_ADDR"
 MASTER_PORT_ENV = "DTRAIN_MASTER_PORT"
 DEFAULT_MASTER_PORT = 29500
@@ -144,6 +147,12 @@ class Paths:
     def failure_details_file(self) -> str:
         """dtrain's machine-readable twin of ``failure`` (rank, host, exit code, timestamp)."""
         return self._join("output", "failure.json")
+
+    @property
+    def agent_exit_file(self) -> str:
+        """The node agent's exit code, written as it exits (a launcher that lost sight of it
+        reads it here)."""
+        return self._join("output", "agent_exit.json")
 
     @property
     def logs_dir(self) -> str:
@@ -326,11 +335,13 @@ class Contract:
         return toolkit.sm_environment(self)
 
     def worker_environment(self) -> dict[str, str]:
-        """``SM_*`` plus what dtrain's runtime reads: distribution, checkpoint dir, root."""
+        """``SM_*`` plus what dtrain's runtime reads: distribution, checkpoints, root."""
         return {
             **self.sm_environment(),
             DISTRIBUTION_ENV: json.dumps(self.settings.distribution, sort_keys=True),
             CHECKPOINT_DIR_ENV: self.checkpoint_dir,
+            CHECKPOINT_INTERVAL_ENV: str(self.settings.checkpoint_interval_steps),
+            CHECKPOINT_KEEP_LAST_ENV: str(self.settings.checkpoint_keep_last),
             ROOT_ENV: self.paths.root,
         }
 

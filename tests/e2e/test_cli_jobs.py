@@ -101,7 +101,7 @@ def test_invalid_input_exits_2_and_unknown_job_exits_1(tmp_path):
 def test_example_local_cpu_job_trains_two_hosts_by_two_processes():
     result = dtrain("submit", str(REPO / "examples/local-cpu.yaml"),
                     "--set", "hyperparameters.steps=20",
-                    "--set", "hyperparameters.checkpoint_interval=10", timeout=240)
+                    "--set", "checkpoint.interval_steps=10", timeout=240)
     progress = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert progress and "tokens/s" in progress[-1]
     losses = [float(line.split("loss ")[1].split()[0]) for line in progress]

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -88,3 +89,15 @@ def records(job: Path) -> dict[str, list[float]]:
     rows = [json.loads(line) for line in
             (job / "output" / "metrics.jsonl").read_text().splitlines()]
     return {key: [row[key] for row in rows] for key in rows[0]}
+
+
+def worker_process(root: Path, rank: int) -> psutil.Process:
+    """The running worker of ``rank`` whose contract root is under ``root`` (a job's folder)."""
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("RANK") == str(rank) and env.get("DTRAIN_ROOT", "").startswith(str(root)):
+            return proc
+    raise AssertionError(f"no running worker of rank {rank} under {root}")

@@ -164,3 +164,23 @@ def _wait_for(predicate, *, timeout=30.0):
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.1)
+
+
+def test_bad_recipe_input_fails_the_agent_before_any_worker_starts(tmp_path):
+    # The spec named no model, so validation could not know seq_len 512 is beyond the 256
+    # positions of the recipe's default model; and the channel holds binary, not text.
+    root = tmp_path / "algo-1"
+    c.write_host_contract(str(root), current_host="algo-1", hosts=["algo-1"],
+                          settings=c.Settings(entry_point="recipe:causal_lm", job_name="t"),
+                          hyperparameters={"seq_len": 512}, channels=["train"])
+    garbage = root / "input/data/train/notes.txt"
+    garbage.write_bytes(bytes(range(256)) * 16)
+    agent = start_agent(root)
+    output = agent.communicate(timeout=60)[0]
+    assert agent.returncode == 2, output
+    assert list((root / "output/logs").iterdir()) == []  # no worker started, trained or failed
+    assert Path(c.Paths(str(root)).failure_file).read_text() == (
+        "node agent could not start: hyperparameters.seq_len: 512 is more than the 256 positions "
+        "of model 'gpt-neox-tiny'; lower seq_len to at most 256 or use a model with more "
+        f"positions; inputs.train: {garbage} is binary, not text; give text files or a token "
+        "channel (`python -m dtrain.runtime.train.tokenize`)\n")

@@ -5,6 +5,7 @@ pytest tests/integration/test_mics_config.py -q
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from typing import ClassVar
@@ -16,6 +17,7 @@ from dtrain.runtime.distributed.comm_stats import split_bytes
 from dtrain.runtime.distributed.config import DistributionConfig
 from dtrain.runtime.distributed.context import ProcessFacts, resolve_backend
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 
 def test_importing_the_runtime_package_does_not_import_torch():
@@ -133,21 +135,67 @@ def test_one_process_run_shards_a_meta_model_and_calls_init_weights(one_process_
     assert all(not p.is_meta for p in model.parameters())
     assert all(torch.all(p.full_tensor() == 0.5) for p in model.parameters())
     assert "CheckpointWrapper" in type(model.blocks[0]).__name__
-    for micro in ctx.accumulate(model, [torch.ones(2, 8)] * 3, steps=2):
+    for micro in ctx.accumulate(model, [torch.ones(2, 8)] * 3, micro_batches_per_step=2):
         micro.scale(model(micro.batch).float().sum()).backward()
     assert model.out.weight.grad is not None
 
 
 def test_accumulate_marks_every_window_end_and_the_last_batch_as_boundaries(one_process_ctx):
     _, ctx = one_process_ctx
-    flags = [m.is_boundary for m in ctx.accumulate(nn.Linear(1, 1), range(5), steps=2)]
+    flags = [m.is_boundary for m in ctx.accumulate(nn.Linear(1, 1), range(5),
+                                                   micro_batches_per_step=2)]
     assert flags == [False, True, False, True, True]
 
 
-def test_a_model_without_block_names_asks_for_block_classes(one_process_ctx):
+def test_accumulate_follows_the_spec_and_never_overrides_it_silently(one_process_ctx, caplog):
+    _, ctx = one_process_ctx  # gradient_accumulation_steps: 1
+    assert [m.num_steps for m in ctx.accumulate(nn.Linear(1, 1), range(2))] == [1, 1]
+    with caplog.at_level(logging.WARNING, logger="dtrain.runtime"):
+        micro = list(ctx.accumulate(nn.Linear(1, 1), range(4), micro_batches_per_step=2))
+    assert [m.num_steps for m in micro] == [2] * 4
+    assert "2 micro-batches per optimizer step, overriding the job's " \
+        "distribution.gradient_accumulation_steps=1" in caplog.text
+    with pytest.warns(DeprecationWarning, match="pass micro_batches_per_step=N"):
+        assert [m.is_boundary for m in ctx.accumulate(nn.Linear(1, 1), range(2), steps=2)] \
+            == [False, True]
+
+
+class _Plain(nn.Module):
+    """A user's own model: no ``_no_split_modules``, blocks in a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.ModuleList([nn.Linear(8, 2)])
+        self.layers = nn.ModuleList([_Block(), _Block(), _Block()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head[0](x)
+
+
+def test_a_plain_model_is_sharded_by_its_largest_module_list_and_says_so(one_process_ctx,
+                                                                         caplog):
     rt, ctx = one_process_ctx
-    with pytest.raises(ValueError, match="block_classes"):
+    model = _Plain()
+    with caplog.at_level(logging.INFO, logger="dtrain.runtime"):
+        rt.shard(model, ctx)
         rt.shard(nn.Sequential(nn.Linear(2, 2)), ctx)
+    assert all(isinstance(layer, FSDPModule) for layer in model.layers)
+    assert not isinstance(model.head[0], FSDPModule)
+    model(torch.ones(2, 8)).sum().backward()  # it trains
+    assert "sharding the 3 children of _Plain.layers (_Block) one by one (pass " \
+        "block_classes=[...] to choose others)" in caplog.text
+    assert "Sequential has no _no_split_modules and no nn.ModuleList; sharding it as one " \
+        "unit" in caplog.text
+
+
+def test_block_classes_override_the_choice_and_must_match(one_process_ctx):
+    rt, ctx = one_process_ctx
+    model = rt.shard(_Plain(), ctx, block_classes=[nn.Linear])
+    assert isinstance(model.head[0], FSDPModule)
+    with pytest.raises(ValueError, match="pass block_classes"):
+        rt.shard(_Plain(), ctx, block_classes=[nn.Conv1d])
 
 
 def test_auto_sharding_degree_is_resolved_from_the_model_at_shard_time(one_process_ctx):

@@ -1,8 +1,10 @@
 """Checkpoint/resume on 4 real gloo workers (2 hosts x 2, MiCS sharding degree 2).
 
 A run SIGKILLed after a checkpoint and restarted ends with the same parameters as an
-uninterrupted run; leftovers of an unfinished checkpoint are never loaded; and the 4-rank run
-trains the same model as one process on the same global batch. Workers are started as torchrun
+uninterrupted run, and so does a local job with ``max_restarts: 1`` one of whose workers is
+SIGKILLed (every host's workers restart into a new rendezvous round); leftovers of an unfinished
+checkpoint are never loaded; and the 4-rank run trains the same model as one process on the
+same global batch. Workers are started as torchrun
 would start them (RANK, LOCAL_WORLD_SIZE=2, ...); the reference and the killed run go at once.
 
     pytest tests/integration/test_resume.py -q
@@ -17,7 +19,9 @@ from pathlib import Path
 import _workers as w
 import pytest
 import torch
+from dtrain.jobs import api as jobs
 from dtrain.runtime.train.checkpoint import COMPLETE, latest_checkpoint
+from dtrain.spec.model import JobSpec
 
 pytestmark = pytest.mark.slow
 
@@ -99,3 +103,38 @@ def test_losses_match_one_process_on_the_same_global_batch(runs, tmp_path, monke
     assert single["loss"] == pytest.approx(sharded["loss"], rel=1e-4)
     # The clipped norm is the whole model's, not a shard's (DTensor-aware clipping).
     assert single["grad_norm"] == pytest.approx(sharded["grad_norm"], rel=1e-3)
+
+
+def test_a_worker_killed_after_a_checkpoint_is_restarted_on_every_host_to_the_same_parameters(
+        runs, tmp_path, live_processes):
+    hyperparameters = {ARGS[i][2:]: ARGS[i + 1] for i in range(0, len(ARGS), 2)}
+    del hyperparameters["checkpoint_interval"]  # the spec's checkpoint.interval_steps instead
+    spec = JobSpec.from_dict({
+        "name": "restart", "entry_point": "recipe:causal_lm", "output_path": str(tmp_path),
+        "hyperparameters": {**hyperparameters, "data": str(runs["corpus"])},
+        "checkpoint": {"interval_steps": INTERVAL},
+        "compute": {"instance_type": "local", "instance_count": 2, "processes_per_instance": 2,
+                    "max_run": 300, "max_restarts": 1},
+        "distribution": {**MICS, "backend": "gloo"},
+        "environment": {"OMP_NUM_THREADS": "1"}})  # as the reference's: the same float sums
+    record = jobs.submit(spec, wait=False)
+    job_dir = Path(record.target_data["job_dir"])
+    try:
+        w.wait_for(lambda: latest_checkpoint(job_dir / "checkpoints") is not None)
+        w.worker_process(job_dir, rank=3).kill()
+        final = jobs.wait_for(record.id, timeout_s=240)
+    finally:
+        jobs.stop(record.id, wait=True, timeout_s=60)  # a no-op once the job has ended
+    assert (final.status, final.failure_reason) == ("Completed", None)
+    logs = job_dir / "algo-1" / "output" / "logs"
+    first, second = (logs / "rank-0.stdout.log").read_text(), \
+        (logs / "rank-0.attempt-1.stdout.log").read_text()
+    assert "resumed from" not in first and "step=1 " in first  # the first attempt's log is kept
+    assert re.search(r"resumed from .*step-\d+ at step", second)
+    assert (job_dir / "algo-2" / "output" / "logs" / "rank-3.attempt-1.stderr.log").exists()
+    expected = w.final_weights(runs["root"] / "reference")
+    actual = w.final_weights(job_dir / "algo-1")
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6, msg=key)
+    assert live_processes(str(job_dir)) == []

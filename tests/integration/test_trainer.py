@@ -159,6 +159,18 @@ def test_missing_data_is_a_one_line_error(job, capsys):
     assert "no input channel 'nope'" in capsys.readouterr().err
 
 
+def test_bad_hyperparameters_are_one_line_errors_before_any_training(job, capsys):
+    from dtrain.runtime.recipes import causal_lm
+
+    data = ["--data", str(job / "corpus.txt")]
+    assert causal_lm.main([*data, "--steps", "0"]) == 2
+    assert "error: hyperparameters.steps: 0 is not a whole number >= 1" in capsys.readouterr().err
+    assert causal_lm.main([*data, "--seq_len", "300"]) == 2  # gpt-neox-tiny has 256 positions
+    assert "error: hyperparameters.seq_len: 300 is more than the 256 positions" in \
+        capsys.readouterr().err
+    assert not (job / "model").exists() and not (job / "checkpoints").exists()
+
+
 
 def _tiny_fit(steps: int, loss_fn=None):
     """One gloo rank trains gpt-neox-tiny for ``steps`` steps; returns the Trainer and result.
@@ -271,3 +283,28 @@ def test_a_finished_run_leaves_a_checkpoint_of_its_last_step(job):
     assert latest_checkpoint(job / "checkpoints").name == "step-000002"
     assert (job / "model" / "config.json").is_file()
 
+
+
+def test_the_final_model_save_can_be_skipped_and_an_impossible_format_is_refused_up_front(job):
+    import dtrain.runtime as rt
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.train.data import DistributedTokenLoader
+    from dtrain.runtime.train.tokenize import encode_bytes
+    from torch import nn
+
+    ctx = rt.init(distribution={"sharding_degree": 1})
+    try:
+        plain = rt.shard(nn.Sequential(nn.Embedding(512, 8), nn.Linear(8, 512)), ctx)
+        with pytest.raises(ValueError, match="model_format 'huggingface': Sequential is not one "
+                                             "of dtrain's model families; use 'auto' or "
+                                             "'safetensors'"):
+            rt.Trainer(plain, ctx, next_token_loss,
+                       config=rt.TrainerConfig(steps=1, model_format="huggingface"))
+        loader = DistributedTokenLoader(encode_bytes([CORPUS]), window=33, micro_batch_size=2)
+        result = rt.Trainer(plain, ctx, next_token_loss,
+                            config=rt.TrainerConfig(steps=2, model_format="none")).fit(loader)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (result.step, result.preempted) == (2, False)
+    assert latest_checkpoint(job / "checkpoints").name == "step-000002"
+    assert not (job / "model").exists()

@@ -106,3 +106,10 @@ def test_missing_channel_says_how_to_build_one(tmp_path):
 def _write(path, text):
     path.write_text(text)
     return path
+
+
+def test_an_empty_token_file_is_rejected_naming_it(tmp_path):
+    (tmp_path / "tokens.bin").write_bytes(b"")
+    (tmp_path / "tokens.json").write_text(json.dumps({"dtype": "uint16", "vocab_size": 260}))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'tokens.bin'} is empty"):
+        TokenDataset.open(tmp_path)

@@ -20,8 +20,8 @@ from dtrain.launcher.slurm import commands, states
 from dtrain.launcher.slurm.commands import SlurmJob
 
 
-def end(slurm, reports, roots=(), *, stop_requested=False):
-    return states.ending(slurm, reports, list(roots), stop_requested=stop_requested,
+def end(slurm, reports, job_dir="/nonexistent", *, stop_requested=False):
+    return states.ending(slurm, reports, str(job_dir), stop_requested=stop_requested,
                          job_id="7", output="/fsx/j/slurm-7.out", checkpoint_dir="/fsx/ckpt")
 
 
@@ -54,21 +54,21 @@ def test_slurm_s_end_states_and_a_forgotten_job_have_ended(state):
 def test_every_node_reporting_decides_the_end_as_on_every_target(tmp_path):
     done = {"n1": {"exit_code": 0}, "n2": {"exit_code": 0}}
     assert end(SlurmJob("COMPLETED"), done) == ("Completed", None)
-    roots = [report_failure(tmp_path / "n1", "interrupted: training stopped at step 9 after a "
-                            "checkpoint because this host received SIGTERM",
-                            reason="interrupted", timestamp=1)]
+    report_failure(tmp_path / "n1", "interrupted: training stopped at step 9 after a "
+                   "checkpoint because this host received SIGTERM",
+                   reason="interrupted", timestamp=1)
     timed_out = {"n1": {"exit_code": 143}, "n2": {"exit_code": 143}}
-    status, reason = end(SlurmJob("TIMEOUT"), timed_out, roots)
+    status, reason = end(SlurmJob("TIMEOUT"), timed_out, tmp_path)
     assert status == "Stopped" and reason.startswith("interrupted: training stopped at step 9")
-    assert end(SlurmJob("CANCELLED"), timed_out, roots, stop_requested=True) == \
+    assert end(SlurmJob("CANCELLED"), timed_out, tmp_path, stop_requested=True) == \
         ("Stopped", "stopped by user")
 
 
 def test_a_crash_fails_the_job_with_its_report_though_its_peer_was_killed(tmp_path):
-    roots = [report_failure(tmp_path / "n2", "rank 3 on n2 exited with code 1: KeyError: 'x'",
-                            rank=3, timestamp=1), str(tmp_path / "n1")]
+    report_failure(tmp_path / "n2", "rank 3 on n2 exited with code 1: KeyError: 'x'",
+                   rank=3, timestamp=1)
     reports = {"n2": {"exit_code": 1}, "n1": {"state": "running"}}  # n1 went with the step
-    assert end(SlurmJob("FAILED"), reports, roots) == \
+    assert end(SlurmJob("FAILED"), reports, tmp_path) == \
         ("Failed", "rank 3 on n2 exited with code 1: KeyError: 'x'")
     started = {"n1": {"exit_code": 2, "reason": "node n1 could not start its agent: x"}, "n2": {}}
     assert end(SlurmJob("FAILED"), started) == \

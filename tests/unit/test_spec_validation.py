@@ -116,6 +116,7 @@ def test_local_input_paths_are_rejected_for_cloud_targets(tmp_path):
 
 def test_local_input_paths_resolve_against_the_spec_folder(tmp_path):
     (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("text")  # a recipe refuses an empty folder
     spec = JobSpec.from_dict({**RECIPE, "inputs": {"train": "data"}}, base_dir=tmp_path)
     assert spec.inputs["train"] == str(tmp_path / "data")
     assert "does not exist" in problems({**RECIPE, "inputs": {"train": "nope"}}, base_dir=tmp_path)
@@ -345,3 +346,30 @@ def test_a_custom_image_and_the_default_framework_version_pass():
     assert JobSpec.from_dict(data).sagemaker.framework_version == "2.10"
     data["sagemaker"] = {**data["sagemaker"], "image_uri": "1.dkr.ecr.us-east-1.amazonaws.com/mine:7"}
     assert JobSpec.from_dict(data).sagemaker.image_uri.endswith("mine:7")
+
+
+@pytest.mark.parametrize("key", ["steps", "micro_batch_size", "seq_len"])
+def test_a_recipe_refuses_counts_below_one_naming_the_hyperparameter(key):
+    msg = problems({**RECIPE, "hyperparameters": {key: 0}})
+    assert f"hyperparameters.{key}: 0 is not a whole number >= 1" in msg
+
+
+def test_a_recipe_refuses_a_seq_len_beyond_the_positions_of_the_model_it_names():
+    msg = problems({**RECIPE, "hyperparameters": {"model": "gpt-neox-tiny", "seq_len": 1024}})
+    assert ("hyperparameters.seq_len: 1024 is more than the 256 positions of model "
+            "'gpt-neox-tiny'; lower seq_len to at most 256") in msg
+
+
+def test_a_recipe_refuses_local_data_it_cannot_train_on_naming_the_channel(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    (tokens / "tokens.bin").write_bytes(b"")
+    (tokens / "tokens.json").write_text('{"dtype": "uint16", "vocab_size": 260}')
+    msg = problems({**RECIPE, "inputs": {"train": str(tokens)}})
+    assert f"inputs.train: {tokens / 'tokens.bin'} is empty (no tokens)" in msg
+    garbage = tmp_path / "text"
+    garbage.mkdir()
+    (garbage / "notes.txt").write_bytes(bytes(range(256)) * 16)
+    msg = problems({**RECIPE, "inputs": {"corpus": str(garbage)},
+                    "hyperparameters": {"data": "corpus"}})
+    assert f"inputs.corpus: {garbage / 'notes.txt'} is binary, not text" in msg

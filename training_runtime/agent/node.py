@@ -15,8 +15,9 @@ import time
 
 from dtrain.core import contract as c
 from dtrain.runtime import torch_private
-from dtrain.runtime.agent import reports
+from dtrain.runtime.agent import preflight, reports
 from dtrain.runtime.agent.workers import (
+    WorkerWatch,
     apply_environment,
     build_launch_config,
     build_worker_command,
@@ -61,18 +62,25 @@ def grace_period_from_env() -> int:
 
 
 def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
-    """Run this host's share of the job; returns the agent's exit code."""
+    """Run this host's share of the job; returns the agent's exit code, which it also leaves in
+    ``output/agent_exit.json``: a launcher that lost sight of this process reads it there."""
     paths = c.Paths(os.path.abspath(root or os.environ.get(c.ROOT_ENV) or c.DEFAULT_ROOT))
-    grace = grace_period_from_env() if grace_period_s is None else grace_period_s
+    reports.remove_records(paths)  # of an earlier run in this folder
+    code = _run_host(paths, grace_period_from_env() if grace_period_s is None else grace_period_s)
+    reports.write_exit_record(paths, code)
+    return code
+
+
+def _run_host(paths: c.Paths, grace: int) -> int:
     try:
         torch_private.check_torch()
         probe = c.read_contract(paths.root, num_gpus=0)
         contract = c.read_contract(
             paths.root, num_gpus=_torch_gpu_count(probe.settings.instance_type))
         command = build_worker_command(contract)
-        for stale in (paths.failure_file, paths.failure_details_file):
-            if os.path.exists(stale):
-                os.remove(stale)
+        problems = preflight.input_problems(contract)
+        if problems:
+            raise ValueError("; ".join(problems))
         apply_environment(contract)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         reports.write_failure(paths, {"summary": f"node agent could not start: {exc}",
@@ -84,18 +92,19 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
     logger.info("host %s (node rank %d/%d): %d worker(s) of %s", contract.current_host,
                 contract.node_rank, len(contract.hosts), config.nproc_per_node, command.args[3:])
     started = time.time()
-    exit_codes: dict[int, int | None] = {}
+    watch = WorkerWatch()
     try:
-        launch(config, command, exit_codes)
+        launch(config, command, watch)
         return 0
     except ChildFailedError as exc:
         if is_interruption(exc.failures):
             reports.write_failure(contract.paths, reports.describe_interruption(contract, since=started))
             return c.PREEMPTED_EXIT_CODE
-        reports.write_failure(contract.paths, reports.describe_child_failure(contract, exc))
+        reports.write_failure(contract.paths, reports.describe_child_failure(
+            contract, exc.failures, healthy_until=watch.healthy_until))
         return 1
     except SignalException as exc:
-        if workers_finished(exit_codes):
+        if workers_finished(watch.exit_codes):
             logger.info("%s arrived as the workers finished; they completed the job",
                         signal.Signals(exc.sigval).name)
             return 0
@@ -114,5 +123,3 @@ def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
     finally:
         signal.alarm(0)
         reports.remove_partial_model(contract)
-
-

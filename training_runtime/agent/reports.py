@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 
 from dtrain.core import contract as c
 from dtrain.runtime.agent.workers import rank_log_stem
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 logger = logging.getLogger("dtrain.runtime.agent")
 
@@ -26,23 +27,54 @@ def _tail(path: str, lines: int) -> list[str]:
         return []
 
 
-def describe_child_failure(contract: c.Contract, error: ChildFailedError) -> dict:
-    """The root cause on this host: first failing rank, exit code, last lines of its stderr."""
-    rank, failure = error.get_first_failure()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    stem = _latest_stem(contract.paths.logs_dir, rank, attempt)
-    tail = _tail(f"{stem}.stderr.log", FAILURE_TAIL_LINES)
+def describe_child_failure(contract: c.Contract, failures: dict[int, ProcessFailure], *,
+                           healthy_until: float) -> dict:
+    """The root cause on this host: first failing rank, exit code, last lines of its stderr.
+
+    torch's list also holds the workers the agent itself ended once one had failed (SIGTERM, then
+    SIGKILL a grace period later, dated later): they are no cause. torch dates failures to the
+    second, so two in the same second tie: a rank that exited with a code failed when it last
+    wrote to its stderr (a traceback, as it exits); one killed by a signal, as early as the last
+    moment every worker was seen running (``healthy_until``), which puts it first among the
+    failures one look found, since a killed rank makes the others fail.
+    """
+    earliest = min(f.timestamp for f in failures.values())
+    causes = {r: f for r, f in failures.items()
+              if f.timestamp == earliest and f.exitcode != -signal.SIGTERM}
+    failures = causes or failures
+
+    def failed_at(rank: int) -> float:
+        code = failures[rank].exitcode
+        if code is not None and code >= 0:
+            try:
+                stderr = f"{_latest_stem(contract.paths.logs_dir, rank)}.stderr.log"
+                return max(os.path.getmtime(stderr), healthy_until)
+            except OSError:
+                pass
+        return healthy_until
+
+    times = {rank: failed_at(rank) for rank in failures}
+    rank = min(times, key=lambda r: (times[r], r))
+    failure = failures[rank]
+    tail = _tail(f"{_latest_stem(contract.paths.logs_dir, rank)}.stderr.log", FAILURE_TAIL_LINES)
     last = next((line for line in reversed(tail) if line.strip()), "")
     if failure.exitcode is not None and failure.exitcode < 0:
-        what = f"was killed by signal {-failure.exitcode}"
+        what = f"was killed by {_signal_name(-failure.exitcode)}"
     else:
         what = f"exited with code {failure.exitcode}"
     return {
         "rank": rank, "host": contract.current_host, "exit_code": failure.exitcode,
-        "timestamp": failure.timestamp or time.time(),
+        "timestamp": times[rank],
         "summary": f"rank {rank} on {contract.current_host} {what}" + (f": {last}" if last else ""),
         "tail": tail,
     }
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def describe_interruption(contract: c.Contract, *, since: float, here: bool = False) -> dict:
@@ -112,8 +144,8 @@ def _checkpoint_location(contract: c.Contract) -> str:
     return uri if isinstance(uri, str) and uri else str(contract.checkpoint_dir)
 
 
-def _latest_stem(log_dir: str, rank: int, attempt_hint: int) -> str:
-    for attempt in range(max(attempt_hint, 50), -1, -1):
+def _latest_stem(log_dir: str, rank: int) -> str:
+    for attempt in range(50, -1, -1):
         stem = rank_log_stem(log_dir, rank, attempt)
         if os.path.exists(f"{stem}.stderr.log"):
             return stem
@@ -136,6 +168,29 @@ def write_failure(paths: c.Paths, details: dict) -> None:
             json.dump(details, f)
     except OSError as exc:
         logger.error("could not write %s (%s): %s", paths.failure_file, exc, text)
+
+
+def remove_records(paths: c.Paths) -> None:
+    """Delete the failure report and exit record an earlier run left in this host's folder."""
+    for stale in (paths.failure_file, paths.failure_details_file, paths.agent_exit_file):
+        try:
+            os.remove(stale)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("could not remove %s: %s", stale, exc)
+
+
+def write_exit_record(paths: c.Paths, code: int) -> None:
+    """``output/agent_exit.json``: this agent's exit code, written as it exits (atomically)."""
+    record = {"exit_code": code, "ended_at": time.time(), "pid": os.getpid()}
+    try:
+        os.makedirs(paths.output_dir, exist_ok=True)
+        with open(f"{paths.agent_exit_file}.tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(f"{paths.agent_exit_file}.tmp", paths.agent_exit_file)
+    except OSError as exc:
+        logger.error("could not write %s: %s", paths.agent_exit_file, exc)
 
 
 def remove_partial_model(contract: c.Contract) -> None:

@@ -15,7 +15,8 @@ import importlib.util
 import os
 import signal
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from dtrain.core import contract as c
 from dtrain.core import instances, logformat
@@ -83,6 +84,7 @@ def apply_environment(contract: c.Contract) -> None:
     the job's secret references resolved (``dtrain.core.secrets``)."""
     secrets.resolve_references(os.environ)
     os.environ.update(contract.worker_environment())
+    torch_private.use_a_fresh_worker_store_per_round()
     for key, value in instances.efa_environment(contract.settings.instance_type,
                                         contract.network_interface_name).items():
         os.environ.setdefault(key, value)
@@ -106,13 +108,16 @@ class RankLogsSpecs(LogsSpecs):
     """Per-rank log files with stable names (``rank-<r>.stdout.log``), teed to the agent's output.
 
     torch's default nests them under a random run folder; stable names let ``dtrain logs`` and
-    the failure report find a rank's output. Restarts get their own files so nothing is lost.
+    the failure report find a rank's output. Every start of this host's workers gets its own
+    files (``rank-<r>.attempt-<n>``), so nothing is lost: counted here, because torch's restart
+    count stays 0 on a host whose workers restart for another host's failure.
     """
 
     def __init__(self, log_dir: str):
         os.makedirs(log_dir, exist_ok=True)
         super().__init__(log_dir, redirects=Std.ALL, tee=Std.ALL)
         self._log_dir = log_dir
+        self._starts = 0
 
     @property
     def root_log_dir(self) -> str:
@@ -120,9 +125,9 @@ class RankLogsSpecs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         dest = LogsDest()
+        attempt, self._starts = self._starts, self._starts + 1
         for local_rank, env in envs.items():
-            stem = rank_log_stem(self.root_log_dir, int(env["RANK"]),
-                                 int(env.get("TORCHELASTIC_RESTART_COUNT", "0")))
+            stem = rank_log_stem(self.root_log_dir, int(env["RANK"]), attempt)
             dest.stdouts[local_rank] = dest.tee_stdouts[local_rank] = f"{stem}.stdout.log"
             dest.stderrs[local_rank] = dest.tee_stderrs[local_rank] = f"{stem}.stderr.log"
             dest.error_files[local_rank] = f"{stem}.error.json"
@@ -175,6 +180,14 @@ def is_interruption(failures: dict[int, ProcessFailure]) -> bool:
     return c.PREEMPTED_EXIT_CODE in codes and codes <= {c.PREEMPTED_EXIT_CODE, -signal.SIGTERM}
 
 
+@dataclass
+class WorkerWatch:
+    """What the agent saw of this host's workers, for ``run``'s report."""
+
+    exit_codes: dict[int, int | None] = field(default_factory=dict)  # at the last shutdown
+    healthy_until: float = 0.0  # when a monitoring pass last found every worker running
+
+
 class InterruptionAwareAgent(torch_private.HookedElasticAgent):
     """torch's local agent, except that an interruption is not a failure to restart.
 
@@ -183,36 +196,41 @@ class InterruptionAwareAgent(torch_private.HookedElasticAgent):
     host, which is gone, and the job hangs. Spending no restarts on it ends this agent with the
     interruption instead, which ``run`` reports as one.
 
-    It also keeps the workers' exit codes from the last shutdown in ``exit_codes`` (local rank ->
-    code), so ``run`` can tell a SIGTERM that stopped the workers from one that arrived while they
-    were finishing on their own (e.g. during the final model save).
+    It also fills ``watch``: the workers' exit codes from the last shutdown (local rank -> code),
+    so ``run`` can tell a SIGTERM that stopped the workers from one that arrived while they
+    were finishing on their own (e.g. during the final model save), and the last moment every
+    worker was seen running, the earliest a worker killed by a signal can have died.
     """
 
-    def __init__(self, *args, exit_codes: dict[int, int | None], **kwargs):
+    def __init__(self, *args, watch: WorkerWatch, **kwargs):
         super().__init__(*args, **kwargs)
-        self.exit_codes = exit_codes
+        self.watch = watch
 
     def workers_started(self) -> None:
+        self.watch.healthy_until = time.time()
         # Describing an interruption reads checkpoints with dtrain.runtime.train.checkpoint,
         # whose torch imports take seconds: imported after a SIGTERM, they spent the time the
         # launcher leaves for the report before its SIGKILL. Import it while the workers import
         # torch themselves.
         importlib.import_module("dtrain.runtime.train.checkpoint")
 
+    def workers_checked(self, result) -> None:
+        if not result.is_failed():
+            self.watch.healthy_until = time.time()
+
     def keep_restarting(self, result) -> bool:
         return not is_interruption(result.failures)
 
     def workers_shut_down(self, exit_codes: dict[int, int | None]) -> None:
-        self.exit_codes.clear()
-        self.exit_codes.update(exit_codes)
+        self.watch.exit_codes.clear()
+        self.watch.exit_codes.update(exit_codes)
 
 
-def launch(config: LaunchConfig, command: WorkerCommand,
-           exit_codes: dict[int, int | None]) -> None:
+def launch(config: LaunchConfig, command: WorkerCommand, watch: WorkerWatch) -> None:
     """``elastic_launch`` with :class:`InterruptionAwareAgent` as the agent it builds."""
     try:
         torch_private.launch(config, command.executable, command.args,
-                             functools.partial(InterruptionAwareAgent, exit_codes=exit_codes))
+                             functools.partial(InterruptionAwareAgent, watch=watch))
     finally:
         # The workers are gone; a SIGTERM now (a stop racing the job's end) must not cut the
         # agent's report short with a traceback.

@@ -13,7 +13,7 @@ as a single process on that batch would compute it.
 
 Hand-written loop::
 
-    for micro in ctx.accumulate(model, loader):          # gradient_accumulation_steps from ctx
+    for micro in ctx.accumulate(model, loader):          # gradient_accumulation_steps of the job
         loss = micro.scale(loss_fn(model(micro.batch)))  # loss / steps
         loss.backward()                                  # must run inside the loop body
         if micro.is_boundary:
@@ -76,16 +76,17 @@ def micro_step(model: torch.nn.Module, *, boundary: bool,
 
 
 def accumulate(
-    model: torch.nn.Module, batches: Iterable[Any], *, steps: int,
+    model: torch.nn.Module, batches: Iterable[Any], *, micro_batches_per_step: int,
     within: Callable[[], AbstractContextManager] = nullcontext,
 ) -> Iterator[MicroStep]:
-    """Yield micro-steps with the sync mode set for each; ``steps`` micro-steps per window.
+    """Yield micro-steps with the sync mode set for each, ``micro_batches_per_step`` per window.
 
     A trailing partial window is still closed by a boundary on its last batch, so no gradient
-    is left unsynchronised; its ``scale`` uses ``steps`` all the same (shorter final window).
+    is left unsynchronised; its ``scale`` divides by the full count all the same.
     """
+    steps = micro_batches_per_step
     if steps < 1:
-        raise ValueError(f"gradient accumulation steps must be >= 1, got {steps}")
+        raise ValueError(f"micro_batches_per_step must be >= 1, got {steps}")
     iterator = iter(batches)
     try:
         current = next(iterator)

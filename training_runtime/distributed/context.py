@@ -21,6 +21,7 @@ import datetime
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,9 +90,12 @@ class RuntimeContext:
     output_data_dir: Path
     checkpoint_dir: Path
     channels: dict[str, Path]
+    checkpoint_interval_steps: int = 0  # the spec's checkpoint.interval_steps (0: off)
+    checkpoint_keep_last: int = 2  # the spec's checkpoint.keep_last
     plan: ParallelismPlan | None = None
     mesh: DeviceMesh | None = None
     _hierarchy: HierarchyGroups | None = field(default=None, repr=False)
+    _override_logged: bool = field(default=False, repr=False)
 
     rank = property(lambda self: self.facts.rank)
     local_rank = property(lambda self: self.facts.local_rank)
@@ -200,11 +204,28 @@ class RuntimeContext:
         return accumulation.micro_step(model, boundary=boundary, within=self.loss_parallel)
 
     def accumulate(
-        self, model: torch.nn.Module, batches: Iterable[Any], *, steps: int | None = None
+        self, model: torch.nn.Module, batches: Iterable[Any], *,
+        micro_batches_per_step: int | None = None, steps: int | None = None,
     ) -> Iterator[accumulation.MicroStep]:
-        """Micro-steps of ``gradient_accumulation_steps`` (or ``steps``) per optimizer step."""
+        """Micro-steps with the 2-hop gradient sync, ``micro_batches_per_step`` of them per
+        optimizer step: by default the job's ``distribution.gradient_accumulation_steps``; another
+        value is logged as overriding it. ``steps`` is the old, deprecated name of the count."""
+        if steps is not None:
+            warnings.warn("ctx.accumulate(steps=N) is deprecated: N is micro-batches per "
+                          "optimizer step; pass micro_batches_per_step=N",
+                          DeprecationWarning, stacklevel=2)
+            if micro_batches_per_step not in (None, steps):
+                raise ValueError(f"ctx.accumulate: steps={steps} and micro_batches_per_step="
+                                 f"{micro_batches_per_step} disagree; pass only the second")
+            micro_batches_per_step = steps
+        configured = self.config.gradient_accumulation_steps
+        if micro_batches_per_step not in (None, configured) and not self._override_logged:
+            self._override_logged = True
+            logging.getLogger(__name__).warning(
+                "ctx.accumulate: %d micro-batches per optimizer step, overriding the job's "
+                "distribution.gradient_accumulation_steps=%d", micro_batches_per_step, configured)
         return accumulation.accumulate(
-            model, batches, steps=steps or self.config.gradient_accumulation_steps,
+            model, batches, micro_batches_per_step=micro_batches_per_step or configured,
             within=self.loss_parallel)
 
 
@@ -271,7 +292,7 @@ def init(
         intra_node_group=intra,
         inter_node_group=inter,
         comm_stats=stats,
-        **_contract_paths(),
+        **_from_contract(),
     )
     planned = config.parallelism
     if planned is not None and (planned.world_size, planned.devices_per_node) != (
@@ -352,7 +373,8 @@ def _node_groups(facts: ProcessFacts) -> tuple[dist.ProcessGroup, dist.ProcessGr
     return intra, inter
 
 
-def _contract_paths(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def _from_contract(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The job's paths and checkpoint settings, as the node agent passes them to workers."""
     env = os.environ if environ is None else environ
     default = contract.Paths(contract.DEFAULT_ROOT)
     channels = {
@@ -364,5 +386,7 @@ def _contract_paths(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         "model_dir": Path(env.get("SM_MODEL_DIR", default.model_dir)),
         "output_data_dir": Path(env.get("SM_OUTPUT_DATA_DIR", default.output_data_dir)),
         "checkpoint_dir": Path(env.get(contract.CHECKPOINT_DIR_ENV, default.checkpoints_dir)),
+        "checkpoint_interval_steps": int(env.get(contract.CHECKPOINT_INTERVAL_ENV) or 0),
+        "checkpoint_keep_last": int(env.get(contract.CHECKPOINT_KEEP_LAST_ENV) or 2),
         "channels": channels,
     }

@@ -19,6 +19,7 @@ Gradient sync with accumulation (2-hop) lives in :mod:`dtrain.runtime.distribute
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 
@@ -32,6 +33,7 @@ from dtrain.runtime.distributed.tensor_parallel import apply_tensor_parallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -47,7 +49,8 @@ def shard(
 ) -> nn.Module:
     """Shard ``model`` in place with MiCS and return it (an ``FSDPModule``).
 
-    ``block_classes`` default to the classes named in the model's ``_no_split_modules``;
+    ``block_classes`` default to the classes named in the model's ``_no_split_modules``, else
+    the children of its largest ``nn.ModuleList`` (:func:`find_blocks`, which logs its choice);
     ``mixed_precision`` / ``activation_checkpointing`` / ``sharding_degree`` default to the
     context's distribution settings. A model built on the meta device is materialised on
     ``ctx.device`` after sharding and initialised with its ``init_weights()``.
@@ -115,17 +118,16 @@ def build_mixed_precision_policy(precision: str, *, device: torch.device) -> Mix
 def find_blocks(
     model: nn.Module, block_classes: Iterable[type[nn.Module]] | None
 ) -> list[nn.Module]:
-    """The transformer blocks to shard one by one (outermost matches only)."""
+    """The blocks to shard one by one (outermost matches only): instances of ``block_classes``,
+    else of the classes named in ``_no_split_modules``, else the children of the model's largest
+    ``nn.ModuleList`` (by parameters), else none (the root is sharded as one unit)."""
     if block_classes is not None:
         classes = tuple(block_classes)
         matches = lambda m: isinstance(m, classes)
     else:
         names = set(getattr(type(model), "_no_split_modules", None) or ())
         if not names:
-            raise ValueError(
-                f"{type(model).__name__} has no _no_split_modules; pass block_classes=[...] "
-                "naming its transformer block class"
-            )
+            return _guess_blocks(model)
         matches = lambda m: type(m).__name__ in names
     blocks: list[nn.Module] = []
     for module in model.modules():
@@ -137,6 +139,24 @@ def find_blocks(
             f"no transformer blocks found in {type(model).__name__}; pass block_classes=[...]"
         )
     return blocks
+
+
+def _guess_blocks(model: nn.Module) -> list[nn.Module]:
+    """A plain model's blocks: the children of its largest ``nn.ModuleList``; logged, since the
+    choice decides what is gathered at once."""
+    lists = [(sum(p.numel() for p in m.parameters()), name, m)
+             for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    name = type(model).__name__
+    if not lists:
+        logger.info("shard: %s has no _no_split_modules and no nn.ModuleList; sharding it as one "
+                    "unit (pass block_classes=[...] to shard its blocks one by one)", name)
+        return []
+    _, path, blocks = max(lists, key=lambda found: found[0])
+    kinds = sorted({type(block).__name__ for block in blocks})
+    logger.info("shard: %s has no _no_split_modules; sharding the %d children of %s.%s (%s) one "
+                "by one (pass block_classes=[...] to choose others)", name, len(blocks), name,
+                path, ", ".join(kinds))
+    return list(blocks)
 
 
 def _contains(parent: nn.Module, module: nn.Module) -> bool:

@@ -38,10 +38,11 @@ def next_token_loss(model: nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser("python -m dtrain.runtime.recipes.causal_lm", __doc__.split("\n")[0],
-                          model="gpt-neox-tiny", lr=3e-4)
+                          recipe="causal_lm", lr=3e-4)
     args = parse_args(parser, argv)
     # Windows of seq_len + 1 tokens: inputs and shifted targets come from the same window.
-    return run_recipe(args, make_loss_fn=lambda *_: next_token_loss, window=args.seq_len + 1)
+    return run_recipe(args, recipe="causal_lm", make_loss_fn=lambda *_: next_token_loss,
+                      window=args.seq_len + 1)
 
 
 if __name__ == "__main__":

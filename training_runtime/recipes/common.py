@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -13,15 +12,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dtrain.core import contract, toolkit
+from dtrain.core import recipe_inputs
 from dtrain.core.presets import count_parameters, get_preset
 from dtrain.runtime.train import metrics
+from dtrain.runtime.train.checkpoint import NoSpaceError
 from dtrain.runtime.train.data import TOKENS_FILE, DistributedTokenLoader, TokenDataset
 from dtrain.runtime.train.tokenize import encode_bytes, read_texts
 from dtrain.runtime.train.trainer import PREEMPTED_EXIT_CODE, Trainer, TrainerConfig
 from torch import nn
 
-CHECKPOINT_INTERVAL_ENV = "DTRAIN_CHECKPOINT_INTERVAL_STEPS"
+# Old aliases of the spec's checkpoint settings (which reach the Trainer through the contract).
+DEPRECATED_CHECKPOINT_ARGS = {"checkpoint_interval": "checkpoint.interval_steps",
+                              "keep_last": "checkpoint.keep_last"}
 # Models up to this size are initialised whole on the CPU before sharding, so the weights do
 # not depend on the world size (same seed, same model); bigger ones are built on the meta device.
 CPU_INIT_MAX_PARAMETERS = 1_000_000_000
@@ -39,24 +41,28 @@ def parse_bool(value: str | bool) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
-def build_parser(prog: str, description: str, *, model: str, lr: float) -> argparse.ArgumentParser:
+def build_parser(prog: str, description: str, *, recipe: str,
+                 lr: float) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--model", default=model, help="preset name (dtrain.core.presets) or HF folder")
-    p.add_argument("--data", default="train",
+    p.add_argument("--model", default=recipe_inputs.DEFAULT_MODELS[recipe],
+                   help="preset name (dtrain.core.presets) or HF folder")
+    p.add_argument("--data", default=recipe_inputs.DEFAULTS["data"],
                    help="channel name, a token channel folder, a .bin file or a text file")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
-    p.add_argument("--micro_batch_size", type=int, default=8, help="sequences per rank per micro-step")
-    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=recipe_inputs.DEFAULTS["steps"],
+                   help="optimizer steps")
+    p.add_argument("--micro_batch_size", type=int,
+                   default=recipe_inputs.DEFAULTS["micro_batch_size"],
+                   help="sequences per rank per micro-step")
+    p.add_argument("--seq_len", type=int, default=recipe_inputs.DEFAULTS["seq_len"])
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--min_lr_ratio", type=float, default=0.1)
     p.add_argument("--warmup_steps", type=int, default=10)
     p.add_argument("--weight_decay", type=float, default=0.1)
     p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--log_interval", type=int, default=10)
-    p.add_argument("--checkpoint_interval", type=int, default=None,
-                   help=f"steps between checkpoints (default: ${CHECKPOINT_INTERVAL_ENV}, the "
-                   "job's checkpoint.interval_steps, else 0 = only on SIGTERM)")
-    p.add_argument("--keep_last", type=int, default=None, help="complete checkpoints kept")
+    for name, field_name in DEPRECATED_CHECKPOINT_ARGS.items():
+        p.add_argument(f"--{name}", type=int, default=None,
+                       help=f"deprecated: set {field_name} in the job spec instead")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention", choices=("flash", "sdpa", "eager"), default=None)
     p.add_argument("--activation_checkpointing", type=parse_bool, default=None)
@@ -71,28 +77,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     return args
 
 
-def reserved_hyperparameters() -> dict[str, Any]:
-    """The job's ``dtrain_*`` settings from the contract's hyperparameters.json, if any."""
-    root = os.environ.get(contract.ROOT_ENV)
-    if not root:
-        return {}
-    path = Path(contract.Paths(root).hyperparameters_file)
-    if not path.is_file():
-        return {}
-    raw = toolkit.decode_hyperparameters(json.loads(path.read_text()))
-    return {k[len(contract.RESERVED_PREFIX):]: v for k, v in raw.items()
-            if k.startswith(contract.RESERVED_PREFIX)}
-
-
-def checkpoint_settings(args: argparse.Namespace) -> tuple[int, int]:
-    """(interval, keep_last): the argument, else the environment, else the job spec, else off."""
-    reserved = reserved_hyperparameters()
-    interval = args.checkpoint_interval
-    if interval is None:
-        interval = os.environ.get(CHECKPOINT_INTERVAL_ENV) or reserved.get(
-            "checkpoint_interval_steps") or 0
-    keep = args.keep_last or reserved.get("checkpoint_keep_last") or 2
-    return int(interval), int(keep)
+def checkpoint_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The deprecated checkpoint hyperparameters given, for TrainerConfig; each with a note."""
+    given = {name: getattr(args, name) for name in DEPRECATED_CHECKPOINT_ARGS
+             if getattr(args, name) is not None}
+    for name in given:
+        warnings.warn(f"hyperparameter {name} is deprecated: set "
+                      f"{DEPRECATED_CHECKPOINT_ARGS[name]} in the job spec, which recipes and "
+                      "the Trainer read alike", FutureWarning, stacklevel=2)
+    return given
 
 
 def load_dataset(data: str, ctx: Any) -> TokenDataset:
@@ -100,6 +93,9 @@ def load_dataset(data: str, ctx: Any) -> TokenDataset:
     path = Path(data)
     if not path.exists():
         path = ctx.channel(data)
+    problems = recipe_inputs.data_problems(path, what=f"data {data!r}")
+    if problems:
+        raise ValueError(problems[0])
     if path.is_file():
         if path.suffix == ".bin":
             return TokenDataset.open(path)
@@ -141,7 +137,7 @@ def save_tokenizer_info(dataset: TokenDataset, model_dir: Path) -> None:
     (Path(model_dir) / TOKENIZER_INFO).write_text(json.dumps(info, indent=2) + "\n")
 
 
-def run_recipe(args: argparse.Namespace, *,
+def run_recipe(args: argparse.Namespace, *, recipe: str,
                make_loss_fn: Callable[[argparse.Namespace, TokenDataset, Any], Any],
                window: int) -> int:
     """Init, load data and model, shard, train, save; returns the process exit code.
@@ -152,6 +148,11 @@ def run_recipe(args: argparse.Namespace, *,
 
     ctx = rt.init()
     try:
+        problems = recipe_inputs.hyperparameter_problems(
+            {key: getattr(args, key) for key in ("model", *recipe_inputs.POSITIVE)},
+            recipe=recipe)
+        if problems:
+            raise ValueError(problems[0])
         dataset = load_dataset(args.data, ctx)
         model = build_model(args.model, attention=args.attention, seed=args.seed)
         check_vocab(model, dataset)
@@ -163,12 +164,11 @@ def run_recipe(args: argparse.Namespace, *,
         loader = DistributedTokenLoader(
             dataset, window=window, micro_batch_size=args.micro_batch_size,
             dp_rank=ctx.dp_rank, dp_world_size=ctx.dp_world_size, seed=args.seed)
-        interval, keep_last = checkpoint_settings(args)
         config = TrainerConfig(
             steps=args.steps, lr=args.lr, warmup_steps=min(args.warmup_steps, args.steps),
             min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm, log_interval=args.log_interval,
-            checkpoint_interval=interval, keep_last=keep_last)
+            **checkpoint_overrides(args))
         flops = metrics.model_flops_per_token(model, seq_len=args.seq_len,
                                               activation_checkpointing=checkpointing)
         loss_fn = make_loss_fn(args, dataset, ctx)
@@ -176,7 +176,7 @@ def run_recipe(args: argparse.Namespace, *,
         result = trainer.fit(loader)
         if ctx.is_main and not result.preempted:
             save_tokenizer_info(dataset, ctx.model_dir)
-    except ValueError as err:
+    except (ValueError, NoSpaceError) as err:  # the message says what to do
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     finally:

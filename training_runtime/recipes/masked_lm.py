@@ -68,9 +68,9 @@ def masked_lm_loss(args: argparse.Namespace, dataset: TokenDataset,
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser("python -m dtrain.runtime.recipes.masked_lm", __doc__.split("\n")[0],
-                          model="bert-tiny", lr=1e-3)
+                          recipe="masked_lm", lr=1e-3)
     args = parse_args(parser, argv)
-    return run_recipe(args, make_loss_fn=masked_lm_loss, window=args.seq_len)
+    return run_recipe(args, recipe="masked_lm", make_loss_fn=masked_lm_loss, window=args.seq_len)
 
 
 if __name__ == "__main__":

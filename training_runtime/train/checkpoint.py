@@ -69,6 +69,49 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class NoSpaceError(OSError):
+    """A checkpoint or model save found its disk full; the message names the path and the fix."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(errno.ENOSPC, f"no space left on device {what}")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+FULL_DISK_BYTES = 2**20  # less free than this after a failed write: the disk is full
+
+
+def is_no_space(exc: BaseException, folder: str | Path) -> bool:
+    """Whether ``exc``, raised while writing to ``folder``, comes from a full disk: ENOSPC in it,
+    its causes or the ranks' failures DCP gathered, or (since torch's serializer can turn a
+    short write into an unrelated RuntimeError) hardly any space left there."""
+    pending, seen = [exc], set()
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):
+            pending += [f[0] if isinstance(f, tuple) else f for f in failures.values()
+                        if isinstance(f, (tuple, BaseException))]
+        pending += [error.__cause__, error.__context__]
+    try:
+        return shutil.disk_usage(folder).free < FULL_DISK_BYTES
+    except OSError:
+        return False
+
+
+def free_space(folder: str | Path) -> str:
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB"
+    except OSError:
+        return "unknown space"
+
+
 class CheckpointManager:
     """Save and restore model, optimizer, trainer state and RNG for all ranks (collective calls)."""
 
@@ -101,9 +144,31 @@ class CheckpointManager:
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any]) -> Path:
-        """Write ``step-N`` atomically (module docstring); every rank must call it."""
+        """Write ``step-N`` atomically (module docstring); every rank must call it.
+
+        A save that fails removes what it wrote, so a full disk gets back the room the error
+        report and the logs need, and the complete checkpoints stay as they were; a full disk
+        raises :class:`NoSpaceError` naming the folder.
+        """
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
+        try:
+            return self._save(step, final, tmp, model, optimizer, trainer_state)
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            free, full = free_space(self.root), is_no_space(exc, self.root)
+            if self.is_writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if not full:
+                raise
+            latest = latest_checkpoint(self.root)
+            kept = f"the last complete checkpoint, {latest}, is intact" if latest else \
+                "no complete checkpoint was written before"
+            raise NoSpaceError(f"writing checkpoint {tmp} ({free} free there); "
+                               f"free space on that disk or point checkpoint.uri at a larger "
+                               f"one; {kept}") from exc
+
+    def _save(self, step: int, final: Path, tmp: Path, model: nn.Module,
+              optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any]) -> Path:
         if self.is_writer:
             shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt that was killed
             tmp.mkdir(parents=True)
@@ -179,6 +244,7 @@ class CheckpointManager:
 
 
 PARTIAL_SUFFIX = ".dtrain-partial"
+MODEL_INFO = "dtrain_model.json"  # beside a model saved as a safetensors state dict
 
 
 def hf_staging_dir(folder: str | Path) -> Path:
@@ -246,14 +312,17 @@ def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
     return folder
 
 
-def _publish(staging: Path, folder: Path) -> None:
-    """Move a finished HF save from ``staging`` into ``folder``; ``config.json`` goes in last."""
+def _publish(staging: Path, folder: Path, *, last: str | None = None) -> None:
+    """Move a finished model save from ``staging`` into ``folder``; the file that describes the
+    weights (``last``: ``config.json`` of an HF save, else ``dtrain_model.json``) goes in last."""
     from dtrain.runtime.models.hf_io import CONFIG_NAME
 
-    (folder / CONFIG_NAME).unlink(missing_ok=True)  # old config never describes new weights
+    last = last or CONFIG_NAME
+    for descriptor in (CONFIG_NAME, MODEL_INFO):  # an old one never describes new weights
+        (folder / descriptor).unlink(missing_ok=True)
     for stale in folder.glob("model*.safetensors*"):  # shards and index of an earlier save
         stale.unlink()
-    for item in sorted(staging.iterdir(), key=lambda path: path.name == CONFIG_NAME):
+    for item in sorted(staging.iterdir(), key=lambda path: path.name == last):
         _move_file(item, folder / item.name)
     staging.rmdir()
 

@@ -66,6 +66,9 @@ class TokenDataset:
         if dtype not in _DTYPES:
             raise ValueError(f"{meta_path}: dtype {dtype!r} is not one of {_DTYPES}; rebuild "
                              "the channel with dtrain.runtime.train.tokenize")
+        if bin_path.stat().st_size == 0:  # np.memmap: "cannot mmap an empty file", naming none
+            raise ValueError(f"{bin_path} is empty (no tokens); rebuild the channel with "
+                             "`python -m dtrain.runtime.train.tokenize`")
         tokens = np.memmap(bin_path, dtype=np.dtype(dtype), mode="r")
         if "num_tokens" in meta and int(meta["num_tokens"]) != tokens.shape[0]:
             raise ValueError(f"{bin_path} holds {tokens.shape[0]} tokens but {meta_path.name} "

@@ -23,6 +23,7 @@ finish within the agent's grace period, and ``fit`` returns normally: the job is
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +36,11 @@ import torch.distributed as dist
 from dtrain.core.contract import PREEMPTED_EXIT_CODE  # noqa: F401 - recipes' exit code, shared
 from dtrain.runtime.train import metrics as m
 from dtrain.runtime.train.checkpoint import CheckpointManager, save_hf_model
+from dtrain.runtime.train.model_export import (
+    MODEL_FORMATS,
+    resolve_model_format,
+    save_safetensors_model,
+)
 from dtrain.runtime.train.optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
 from dtrain.runtime.train.schedule import WarmupCosine
 from torch import nn
@@ -52,17 +58,22 @@ class TrainerConfig:
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     log_interval: int = 10
-    checkpoint_interval: int = 0  # steps between checkpoints; 0 = only at the end and on SIGTERM
-    keep_last: int = 2
+    # None: the job spec's checkpoint.interval_steps and keep_last (the one knob); a value here
+    # overrides it, and says so. Interval 0 = only at the end and on SIGTERM.
+    checkpoint_interval: int | None = None
+    keep_last: int | None = None
     gradient_accumulation_steps: int | None = None  # None: the context's distribution setting
+    model_format: str = "auto"  # auto | huggingface | safetensors | none (model_export.py)
 
     def __post_init__(self) -> None:
         for name in ("steps", "log_interval", "keep_last"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint_interval < 0:
+        if self.checkpoint_interval is not None and self.checkpoint_interval < 0:
             raise ValueError(f"checkpoint_interval must be >= 0 (0 = off), got "
                              f"{self.checkpoint_interval}")
+        if self.model_format not in MODEL_FORMATS:
+            raise ValueError(f"model_format {self.model_format!r} is not one of {MODEL_FORMATS}")
 
 
 @dataclass
@@ -110,6 +121,14 @@ class Trainer:
             loss_scaling = ctx.config.mixed_precision == "fp16"
         self.scaler = DynamicLossScaler(enabled=loss_scaling)
         self.accumulation = config.gradient_accumulation_steps or ctx.gradient_accumulation_steps
+        self.checkpoint_interval = _setting(config.checkpoint_interval, "checkpoint_interval",
+                                            ctx.checkpoint_interval_steps,
+                                            "checkpoint.interval_steps")
+        self.keep_last = _setting(config.keep_last, "keep_last", ctx.checkpoint_keep_last,
+                                  "checkpoint.keep_last")
+        _setting(config.gradient_accumulation_steps, "gradient_accumulation_steps",
+                 ctx.gradient_accumulation_steps, "distribution.gradient_accumulation_steps")
+        self.model_format = resolve_model_format(model, config.model_format)
         self.flops_per_token = flops_per_token
         self.checkpoint_dir = Path(checkpoint_dir or ctx.checkpoint_dir)
         self.model_dir = Path(model_dir or ctx.model_dir)
@@ -123,7 +142,7 @@ class Trainer:
     def fit(self, loader: Any) -> FitResult:
         """Train to ``config.steps`` optimizer steps, resuming from the newest checkpoint."""
         self.stop.install()
-        checkpoints = CheckpointManager(self.checkpoint_dir, keep_last=self.config.keep_last)
+        checkpoints = CheckpointManager(self.checkpoint_dir, keep_last=self.keep_last)
         result = FitResult(step=0, resumed_from=self._resume(checkpoints, loader))
         logger = m.MetricsLogger(output_dir=self.output_dir, enabled=self.ctx.is_main)
         window = _Window()
@@ -143,7 +162,7 @@ class Trainer:
                     logger.log(self.step, record)
                     result.history.append({"step": self.step, **record})
                     window = _Window()
-                interval = self.config.checkpoint_interval
+                interval = self.checkpoint_interval
                 if interval and self.step % interval == 0 and self.step < self.config.steps:
                     self._save(checkpoints, loader)
                     window.start = time.perf_counter()  # keep saving out of tokens/s
@@ -189,7 +208,10 @@ class Trainer:
             return False
         # Still under the stop flag: a SIGTERM now lets the save finish (within the agent's
         # grace period) instead of killing this rank half-way through the model.
-        save_hf_model(self.model, self.model_dir)
+        if self.model_format == "huggingface":
+            save_hf_model(self.model, self.model_dir)
+        elif self.model_format == "safetensors":
+            save_safetensors_model(self.model, self.model_dir)
         return True
 
     def _trainer_state(self, loader: Any) -> dict[str, Any]:
@@ -239,6 +261,16 @@ class Trainer:
 def _local_value(loss: torch.Tensor) -> torch.Tensor:
     """The loss as a plain tensor: tensor parallelism's loss is a replicated DTensor."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _setting(value: int | None, name: str, job_value: int, job_field: str) -> int:
+    """``value`` when given (logged when it overrides the job's), else the job's."""
+    if value is None:
+        return job_value
+    if value != job_value:
+        logging.getLogger(__name__).warning("TrainerConfig.%s=%d overrides the job's %s=%d",
+                                            name, value, job_field, job_value)
+    return value
 
 
 class _Window:

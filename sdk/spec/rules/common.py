@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dtrain.core import contract, s3, secrets
+from dtrain.core import contract, recipe_inputs, s3, secrets
 from dtrain.core.parallelism import ParallelismError, build_parallelism_plan
 
 RECIPES = ("causal_lm", "masked_lm")
@@ -109,6 +109,14 @@ def entry_point(spec, ctx: Findings) -> None:
         )
 
 
+def recipe_hyperparameters(spec, ctx: Findings) -> None:
+    """What a recipe needs of the hyperparameters the spec gives (the rest: the node agent)."""
+    if spec.entry_point.startswith(contract.RECIPE_PREFIX):
+        recipe = spec.entry_point[len(contract.RECIPE_PREFIX):]
+        ctx.problems += recipe_inputs.hyperparameter_problems(spec.hyperparameters, recipe=recipe,
+                                                              model_known=False)
+
+
 def cloud_paths(spec, ctx: Findings) -> None:
     """A cloud target reads and writes S3 only."""
     target = spec.compute.target
@@ -176,4 +184,4 @@ def environment_secrets(spec, ctx: Findings) -> None:
 
 
 COMMON_RULES = (instance_fits_target, backend_fits_hardware, degrees_make_a_plan, spot_settings,
-                entry_point, channel_names, environment_secrets)
+                entry_point, channel_names, recipe_hyperparameters, environment_secrets)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from dtrain.core import s3
+from dtrain.core import recipe_inputs, s3
 from dtrain.spec.rules.common import Findings, exists, resolve
 
 # A local job with more worker processes than this many per core is likely to crawl; with more
@@ -65,4 +66,15 @@ def local_paths(spec, ctx: Findings) -> None:
             setattr(owner, attr, str(resolve(ctx.base_dir, value)))
 
 
-RULES = (fits_this_machine, no_spot, local_paths)
+def recipe_data(spec, ctx: Findings) -> None:
+    """A recipe's data given as a local input: an empty token file or binary 'text' is refused
+    here, naming the channel, rather than in every worker."""
+    if not spec.is_recipe:
+        return
+    data = spec.hyperparameters.get("data", recipe_inputs.DEFAULTS["data"])
+    uri = spec.inputs.get(data) if isinstance(data, str) else None
+    if uri and not s3.is_s3_uri(uri) and exists(Path(uri)):
+        ctx.problems += recipe_inputs.data_problems(Path(uri), what=f"inputs.{data}")
+
+
+RULES = (fits_this_machine, no_spot, local_paths, recipe_data)

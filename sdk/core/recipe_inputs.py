@@ -1,0 +1,110 @@
+"""What the built-in recipes need of their inputs, checked before any worker starts (stdlib only).
+
+``dtrain validate`` runs these checks on what the spec says (a recipe's hyperparameters, the
+positions of a preset it names, the data of a local input path), naming the spec's field; the
+node agent runs them again on the host's own contract before it starts workers, where the rest
+is known (the recipe's default model, a Hugging Face folder's config, a downloaded channel). Bad
+input then fails in a second with the field or the file named, not 15-30 s later in every worker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dtrain.core import presets
+
+# The recipes' defaults for what these checks read (training_runtime/recipes/common.py).
+DEFAULTS = {"steps": 100, "micro_batch_size": 8, "seq_len": 128, "data": "train"}
+DEFAULT_MODELS = {"causal_lm": "gpt-neox-tiny", "masked_lm": "bert-tiny"}
+POSITIVE = ("steps", "micro_batch_size", "seq_len")
+TOKENS_FILE, META_FILE = "tokens.bin", "tokens.json"  # a token channel (dtrain.runtime.train.data)
+BINARY_PROBE_BYTES = 8000  # as git: a NUL byte in a file's first 8000 bytes makes it binary
+MAX_FILES_PROBED = 10_000
+
+
+def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str,
+                            model_known: bool = True) -> list[str]:
+    """Problems of a recipe's ``steps``, ``micro_batch_size`` and ``seq_len``, and of a
+    ``seq_len`` beyond the model's positions (the recipe's default model unless
+    ``model_known`` is False: then only a model the hyperparameters name is checked)."""
+    problems = []
+    for key in POSITIVE:
+        if key in hps and _positive_int(hps[key]) is None:
+            problems.append(f"hyperparameters.{key}: {hps[key]!r} is not a whole number >= 1; "
+                            f"give one (the recipe's default is {DEFAULTS[key]})")
+    model = hps.get("model") or (DEFAULT_MODELS.get(recipe) if model_known else None)
+    seq_len = _positive_int(hps.get("seq_len", DEFAULTS["seq_len"]))
+    positions = model_positions(str(model)) if model else None
+    if seq_len and positions and seq_len > positions:
+        problems.append(f"hyperparameters.seq_len: {seq_len} is more than the {positions} "
+                        f"positions of model {model!r}; lower seq_len to at most {positions} or "
+                        "use a model with more positions")
+    return problems
+
+
+def model_positions(model: str) -> int | None:
+    """How many token positions ``model`` (a preset or a Hugging Face folder) takes; None when
+    unknown (a path that is not here, a config without the field)."""
+    config = presets.PRESETS.get(model)
+    if config is None:
+        try:
+            config = json.loads((Path(model) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    positions = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if not isinstance(positions, int):
+        return None
+    # RoBERTa numbers positions after the padding id, so pad_token_id + 1 rows are never used.
+    if config.get("model_type") == "roberta":
+        positions -= int(config.get("pad_token_id", 1)) + 1
+    return positions
+
+
+def data_problems(path: Path, *, what: str) -> list[str]:
+    """Problems of the recipe's data at ``path`` (``what`` names it: ``inputs.train``): an
+    empty token file, a token file without its sidecar, text files that are binary."""
+    try:
+        if path.is_dir() and not (path / TOKENS_FILE).is_file():
+            files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            if not files:
+                return [f"{what}: {path} holds no text files and no {TOKENS_FILE}; add data"]
+            return [problem for file in files[:MAX_FILES_PROBED]
+                    if (problem := _text_problem(file, what))][:3]
+        tokens = path / TOKENS_FILE if path.is_dir() else path
+        if tokens.suffix == ".bin":
+            return _token_problems(tokens, what)
+        return [problem] if (problem := _text_problem(path, what)) else []
+    except OSError as exc:
+        return [f"{what}: cannot read {path}: {exc.strerror or exc}"]
+
+
+def _token_problems(tokens: Path, what: str) -> list[str]:
+    rebuild = "rebuild it with `python -m dtrain.runtime.train.tokenize`"
+    if not tokens.with_suffix(".json").is_file():
+        return [f"{what}: {tokens} has no {tokens.with_suffix('.json').name} beside it; {rebuild}"]
+    if tokens.stat().st_size == 0:
+        return [f"{what}: {tokens} is empty (no tokens); {rebuild}"]
+    return []
+
+
+def _text_problem(file: Path, what: str) -> str | None:
+    with open(file, "rb") as f:
+        head = f.read(BINARY_PROBE_BYTES)
+    if b"\0" in head:
+        return (f"{what}: {file} is binary, not text; give text files or a token channel "
+                "(`python -m dtrain.runtime.train.tokenize`)")
+    return None
+
+
+def _positive_int(value: Any) -> int | None:
+    """``value`` as the recipe's ``type=int`` argument reads it, when that is >= 1."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and value.strip().isdigit():
+        number = int(value)
+    else:
+        return None
+    return number if number >= 1 else None
