@@ -105,7 +105,8 @@ def test_auto_keeps_tensor_parallelism_off_when_mics_alone_fits():
 def test_a_degree_that_does_not_split_the_heads_is_refused_by_validation():
     with pytest.raises(SpecError, match=r"^distribution\.tensor_parallel_degree: 8 does not "
                        r"divide the model's 4 attention heads .*use one of 1, 2, 4$"):
-        plan(job({"sharding_degree": 1, "tensor_parallel_degree": 8}, model="gpt-neox-tiny"))
+        plan(job({"sharding_degree": 1, "tensor_parallel_degree": 8}, model="gpt-neox-tiny",
+                 seq_len=256))
 
 
 def test_tensor_parallel_compute_is_split_and_step_estimates_include_its_traffic():

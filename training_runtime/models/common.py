@@ -230,6 +230,9 @@ class HFCompatibleModel(nn.Module):
     _tied_weights_keys: ClassVar[dict[str, str]] = {}
     # HF checkpoint keys that hold no weights we need (old persistent buffers)
     _ignored_hf_keys: tuple[str, ...] = ()
+    # Raised when a family changes how it lays out a parameter in its own state dict (a DCP
+    # checkpoint holds that layout, not HF's): a checkpoint of another layout is refused.
+    state_layout: int = 1
 
     def __init__(self, hf_config: dict[str, Any], *, attention: str) -> None:
         super().__init__()

@@ -158,6 +158,7 @@ class GPT2LMHeadModel(HFCompatibleModel):
     _tied_weights_keys: ClassVar[dict[str, str]] = {"lm_head.weight": "transformer.wte.weight"}
     # older checkpoints (the original "gpt2") saved the causal-mask buffers
     _ignored_hf_keys = (r"\.attn\.(bias|masked_bias)$",)
+    state_layout = 2  # c_attn per head (1: HF's [q | k | v], before tensor parallelism)
 
     def __init__(self, hf_config: dict[str, Any], *, attention: str = "flash") -> None:
         super().__init__(hf_config, attention=attention)

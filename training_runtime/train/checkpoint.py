@@ -184,7 +184,8 @@ class CheckpointManager:
                 (tmp / METADATA).write_bytes(metadata)
             (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, **trainer_state}))
             _write_synced(tmp / COMPLETE, json.dumps({"step": step,
-                                                      "world_size": dist.get_world_size()}))
+                                                      "world_size": dist.get_world_size(),
+                                                      "state_layout": state_layout(model)}))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _fsync_dir(self.root)
@@ -232,6 +233,7 @@ class CheckpointManager:
         if not (path / COMPLETE).is_file():
             raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker); "
                              "pass a step-N folder written by CheckpointManager.save")
+        check_state_layout(path, model)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
@@ -241,6 +243,30 @@ class CheckpointManager:
         if rng_file.is_file():  # absent when resuming on a different world size
             set_rng_state(torch.load(rng_file, weights_only=False))
         return json.loads((path / TRAINER_STATE).read_text())
+
+
+def state_layout(model: nn.Module) -> dict[str, Any]:
+    """How ``model`` lays out its parameters (a dtrain family's ``state_layout``; 1 for others),
+    recorded in each checkpoint's ``COMPLETE``."""
+    return {"model": getattr(model, "model_type", "") or type(model).__name__,
+            "version": getattr(model, "state_layout", 1)}
+
+
+def check_state_layout(path: Path, model: nn.Module) -> None:
+    """Refuse a checkpoint whose parameters are laid out differently from ``model``'s: loading
+    it would give wrong weights without an error. A checkpoint without the record is version 1."""
+    try:
+        saved = json.loads((path / COMPLETE).read_text()).get("state_layout") or {}
+    except (OSError, ValueError, AttributeError):
+        saved = {}
+    ours = state_layout(model)
+    if saved.get("version", 1) != ours["version"]:
+        raise ValueError(
+            f"checkpoint {path} holds {ours['model']}'s parameters in layout "
+            f"{saved.get('version', 1)}, and this dtrain's {ours['model']} uses layout "
+            f"{ours['version']} (GPT-2's c_attn became per head in layout 2); it cannot be "
+            "loaded as is: start a new job from the final model that job exported (its model/ "
+            "folder, in Hugging Face format), or resume it with the dtrain that wrote it")
 
 
 PARTIAL_SUFFIX = ".dtrain-partial"
