@@ -66,8 +66,17 @@ def _finish(record: Any, output: str) -> None:
         click.echo(f"{record.id} {record.name}: {record.status} after {_duration(record)}"
                    f" · output {record.output_location or '-'}")
     if record.status != "Completed":
-        raise DtrainError(f"job {record.id} {record.status}: "
-                          f"{_first_line(record.failure_reason) or 'see `dtrain logs ' + record.id + '`'}")
+        why = _first_line(record.failure_reason) or f"see `dtrain logs {record.id}`"
+        hint = _resume_hint(record)
+        raise DtrainError(f"job {record.id} {record.status}: {why}"
+                          + (f"; resume it with `{hint}`" if hint else ""))
+
+
+def _resume_hint(record: Any) -> str | None:
+    """The command that resumes a stopped job from its newest checkpoint."""
+    from dtrain.core.states import STOPPED
+
+    return f"dtrain submit --resume {record.id}" if record.status == STOPPED else None
 
 
 def _dry_run(spec: Any, output: str) -> None:
@@ -242,6 +251,9 @@ def status(job: str, output: str) -> None:
         click.echo(f"{key:<9} {value}")
     if record.failure_reason:
         click.echo(f"{'reason':<9} {record.failure_reason.strip()}")
+    hint = _resume_hint(record)
+    if hint:
+        click.echo(f"{'resume':<9} {hint}")
 
 
 @click.command()

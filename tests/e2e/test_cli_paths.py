@@ -168,3 +168,13 @@ def test_resume_uses_the_jobs_checkpoint_location_on_the_same_target(tmp_path):
     bare = store.create(name="old", target="sagemaker", spec=spec, status="Failed")
     with pytest.raises(DtrainError, match="recorded no checkpoint location"):
         jobs.resume_spec(bare.id, store=store)
+
+
+def test_a_stopped_job_says_how_to_resume_it_and_a_failed_one_does_not():
+    store = JobStore()
+    spec = {"name": "tiny", "entry_point": "recipe:causal_lm"}
+    stopped = store.create(name="tiny-stopped", target="local", spec=spec, status="Stopped")
+    failed = store.create(name="tiny-failed", target="local", spec=spec, status="Failed")
+    shown = dtrain("status", stopped.id)
+    assert f"resume    dtrain submit --resume {stopped.id}\n" in shown.stdout
+    assert "resume " not in dtrain("status", failed.id).stdout
