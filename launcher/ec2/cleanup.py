@@ -51,7 +51,7 @@ def clear_ended_job(ec2: Any, job: str, *, launch: str | None,
     """Terminate what still runs of a job that has ended, and delete its groups; one try.
 
     Nodes still running are terminated (one already shutting down is left to finish), except
-    the peers ``grace`` spares: they may still upload their checkpoints. While a node of the
+    the peers ``grace`` spares: they may still be stopping and uploading. While a node of the
     launch is not yet terminated its network interfaces hold the security group (and the node
     the placement group), so no group is tried then.
     """
@@ -86,7 +86,7 @@ def _terminate_and_spare(ec2: Any, instances: list[dict[str, Any]], groups: list
     if result.spared:
         result.spared_until = grace.until
         result.reason += (f"; {len(result.spared)} left running after a peer failed, to "
-                          f"upload their checkpoints, until {utc_time(grace.until)}")
+                          f"stop and upload their logs, until {utc_time(grace.until)}")
     running = [i["InstanceId"] for i in instances if i["State"]["Name"] != "shutting-down"
                and i["InstanceId"] not in result.spared]
     if running:

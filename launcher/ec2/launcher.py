@@ -14,8 +14,8 @@ leaves nothing behind either: the ``status`` call that sees it end terminates wh
 runs and deletes its groups, one try per call (``cleanup``), and its ``Update`` carries what
 happened as the record's ``cleanup`` so later calls know whether to try again;
 ``pending_cleanup`` tells a caller waiting for the job what is still to go. A failed node's
-peers that have not reported are the exception: they upload their checkpoints only when their
-own job ends, so they are left running until ``nodes.FAILED_PEER_GRACE_S`` after the failure.
+peers that have not reported are the exception: they stop their workers on seeing the report and
+are left running until ``nodes.FAILED_PEER_GRACE_S`` after the failure to upload and report.
 ``leftovers`` is what `dtrain ec2 gc` removes. No method writes the job store: the jobs layer
 writes the ``Update``s and what ``submit``/``stop`` record in their journal.
 """

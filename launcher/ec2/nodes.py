@@ -4,7 +4,7 @@ Each node's bootstrap (``dtrain.launcher.ec2.node.bootstrap``) writes
 ``{prefix}/status/<host>.json``: ``starting``, ``running``, then ``completed``, ``failed`` or
 ``stopped`` with the node agent's reason. ``job_state`` turns those reports and EC2's instance
 states into the store's status; ``peer_grace`` says how long a failed job's other nodes are left
-running to upload their checkpoints.
+running to stop and report.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from dtrain.launcher.ec2.resources import RUNNING_STATES
 
 NODE_FINAL_STATES = ("completed", "stopped", "failed")  # what the bootstrap writes at the end
 # After a node reports a failure, its peers that have not reported yet are left running this
-# long before dtrain terminates them. A node uploads its checkpoints only when its own job ends:
-# a peer's agent exits once its collectives with the failed node time out (the runtime's process
-# group timeout, dtrain.runtime.distributed.context.DEFAULT_TIMEOUT_S: 30 min), then its
-# bootstrap uploads its checkpoint shards (15 min here for a large sharded checkpoint), reports
-# and powers off.
-FAILED_PEER_GRACE_S = 2700.0
+# long before dtrain terminates them. A peer sees the report within the bootstrap's
+# PEER_POLL_S (10 s) and SIGTERMs its agent, whose workers get the grace period (30 s by
+# default) before SIGKILL; its complete checkpoints are in S3 already (synced as they are
+# written), so what is left is its logs and its report. Ten minutes covers that with room for
+# a long grace period; it is a safety net for a peer that cannot reach S3.
+FAILED_PEER_GRACE_S = 600.0
 
 
 def read_status_objects(s3: Any, prefix: str) -> list[dict[str, Any]]:
@@ -41,7 +41,7 @@ def job_state(instances: dict[str, str], nodes: list[dict], num_nodes: int) -> d
     ``status`` is one of the store's names (None: nothing is known yet), ``secondary_status``
     says more while it runs. A failed node fails the job at once; ``Ec2Launcher.status`` then
     terminates the nodes that reported too and still run, and the others once ``peer_grace``
-    ends (they upload their checkpoints when their own job ends). A stopped
+    ends (they stop their workers on seeing the report, then upload and report). A stopped
     node (interrupted: it or a peer got SIGTERM and its workers stopped after a checkpoint) makes
     the job Stopping while other nodes still run, so they can checkpoint and upload too, then
     Stopped with the node's own reason (the runtime's interruption line) once none runs.
@@ -49,8 +49,8 @@ def job_state(instances: dict[str, str], nodes: list[dict], num_nodes: int) -> d
     by_state: dict[str, list[dict]] = {}
     for node in nodes:
         by_state.setdefault(node.get("state"), []).append(node)
-    if by_state.get("failed"):
-        first = by_state["failed"][0]
+    if by_state.get("failed"):  # the first report is the root cause; peers fail after it
+        first = min(by_state["failed"], key=lambda n: n.get("updated") or float("inf"))
         return _state(FAILED, first.get("reason") or f"node {first.get('host')} failed")
     if num_nodes and len(by_state.get("completed", [])) >= num_nodes:
         return _state(COMPLETED)
@@ -79,7 +79,7 @@ def _state(status: str | None, reason: str | None = None,
 @dataclass(frozen=True)
 class PeerGrace:
     """A failed job's nodes that have not reported yet are left running until ``until`` (epoch
-    seconds) so they can upload their checkpoints; ``reported``: nodes that wrote a final report."""
+    seconds) so they can stop, upload and report; ``reported``: nodes that wrote a final report."""
 
     until: float
     reported: frozenset[str]

@@ -38,9 +38,9 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
     runs is kept. A launch without a record is kept while younger than --min-age; after that
     its groups go once none of its nodes is live, and its nodes too when fewer than the job's
     node count were ever launched (a launcher killed mid-launch) or the nodes' own status
-    objects say the job ended. Either way, while a node reported a failure less than 45 minutes
-    ago, a launch whose other nodes have not reported and still run is kept: they upload their
-    checkpoints when their own job ends. --all removes every tagged resource. Untagged
+    objects say the job ended. Either way, while a node reported a failure less than 10 minutes
+    ago, a launch whose other nodes have not reported and still run is kept: they stop their
+    workers on seeing the report and upload their last logs. --all removes every tagged resource. Untagged
     resources, such as a placement group named in `ec2.placement_group`, are never touched.
     """
     from dtrain.launcher.ec2.state import utc_time
@@ -57,7 +57,7 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
                    "includes them")
     if leftovers.finishing:
         click.echo(f"keeping {len(leftovers.finishing)} resource(s) of failed jobs whose other "
-                   "nodes may still upload their checkpoints, until "
+                   "nodes may still be stopping and uploading their logs, until "
                    f"{utc_time(leftovers.finishing_until)} "
                    f"({', '.join(leftovers.finishing)}); --all includes them")
     if not items:

@@ -316,3 +316,29 @@ def test_a_spot_notice_checkpoints_at_once_and_every_complete_checkpoint_is_alre
         f"{config['prefix']}/status/{IPS[0]}.json")[1])["Body"].read())
     assert report["state"] == "stopped"
     imds.server.shutdown()
+
+
+def test_a_peers_failure_report_stops_this_nodes_workers_at_once(s3, tmp_path, monkeypatch, capfd):
+    """Without it, this node's workers would wait in collectives with the failed node until the
+    process-group timeout (30 min of idle p4d time)."""
+    monkeypatch.setattr(boot, "PEER_POLL_S", 0.2)
+    config = {**job_config("t-peer"), "num_nodes": 1}
+    upload_artifacts(s3, config)
+    stub = tmp_path / "agent.py"
+    stub.write_text(SPOT_AGENT)
+    node = boot.Node(rank=0, private_ip=IPS[0], instance_id="i-0",
+                     root=str(tmp_path / "node" / "ml"), work_dir=str(tmp_path / "node" / "work"))
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(code=boot.run_node(
+        s3, config, node, command=[sys.executable, str(stub), node.root],
+        rendezvous_timeout_s=30, poll_s=0.2)))
+    runner.start()
+    time.sleep(3)
+    assert runner.is_alive(), "the agent runs until told otherwise"
+    peer = boot.Node(rank=1, private_ip=IPS[1], instance_id="i-1", root="", work_dir="")
+    boot.write_status(s3, config, peer, "failed", exit_code=1, reason="rank 1 exited with code 1")
+    runner.join(timeout=30)
+    assert not runner.is_alive() and result["code"] == 143  # its workers checkpointed and stopped
+    assert f"node {IPS[1]} reported a failure: stopping this node's workers" in capfd.readouterr().err
+    report = read_json(s3, s3_uri.split(f"{config['prefix']}/status/{IPS[0]}.json")[1])
+    assert report["state"] == "stopped"

@@ -187,8 +187,8 @@ def test_gc_leaves_a_failed_jobs_unreported_peer_alone_while_it_may_upload(aws):
     kept = CliRunner().invoke(ec2_group, ["gc", "--yes"])
     assert kept.exit_code == 0, kept.output
     assert kept.output.endswith("no dtrain leftovers found\n")
-    assert ("keeping 3 resource(s) of failed jobs whose other nodes may still upload their "
-            "checkpoints, until ") in kept.output and peer in kept.output
+    assert ("keeping 3 resource(s) of failed jobs whose other nodes may still be stopping and "
+            "uploading their logs, until ") in kept.output and peer in kept.output
     assert [i["InstanceId"] for i in live_instances(aws["ec2"])] == [peer]
     assert [g["GroupId"] for g in dtrain_groups(aws["ec2"])] == [
         record.target_data["security_group_id"]]

@@ -93,9 +93,20 @@ def test_without_a_failure_report_nothing_is_spared():
     assert peer_grace([node(0, "failed", "x", updated=0.0)], now=1.0) is None  # no report time
 
 
-def test_the_grace_outlasts_the_runtimes_process_group_timeout_plus_an_upload():
-    from dtrain.runtime.distributed.context import (
-        DEFAULT_TIMEOUT_S,  # imports torch: a dev dependency
-    )
+def test_the_grace_outlasts_a_peers_reaction_its_workers_grace_and_its_last_uploads():
+    """A peer sees the failure report within PEER_POLL_S and SIGTERMs its agent; the workers get
+    the grace period; its checkpoints are in S3 already, its logs and report take minutes."""
+    from dtrain.core.contract import DEFAULT_GRACE_PERIOD_S
+    from dtrain.launcher.ec2.node.bootstrap import PEER_POLL_S
 
-    assert FAILED_PEER_GRACE_S >= DEFAULT_TIMEOUT_S + 600
+    assert FAILED_PEER_GRACE_S >= PEER_POLL_S + DEFAULT_GRACE_PERIOD_S + 300
+
+
+def test_the_first_failure_report_is_the_reason_whatever_the_nodes_rank():
+    # node 1 failed first; node 0 failed after it, its collectives broken by node 1's death
+    nodes = [node(0, "failed", "rank 0 on 10.0.0.1: connection reset by peer", updated=20.0),
+             node(1, "failed", "rank 5 on 10.0.0.2 exited with code 1: KeyError: 'x'",
+                  updated=10.0)]
+    state = job_state({"i-0": "running", "i-1": "running"}, nodes, 2)
+    assert state["status"] == "Failed"
+    assert state["failure_reason"] == "rank 5 on 10.0.0.2 exited with code 1: KeyError: 'x'"

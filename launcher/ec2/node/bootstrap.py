@@ -41,6 +41,7 @@ IMDS_ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
 IMDS = "http://169.254.169.254"
 LOG_SYNC_S = 30  # logs and newly completed checkpoints go to S3 this often while the job runs
 SPOT_POLL_S = 5  # EC2 gives two minutes' notice; the checkpoint needs most of them
+PEER_POLL_S = 10  # how often a node looks for a peer's failure report, to stop at once
 RENDEZVOUS_TIMEOUT_S = 1800
 RENDEZVOUS_POLL_S = 5
 
@@ -174,7 +175,9 @@ def agent_command(config: dict, node: Node) -> list[str]:
 def run_agent(client, config: dict, node: Node, paths: contract.Paths,
               command: list[str]) -> int:
     """Run the node agent; meanwhile sync its logs and each checkpoint it completes to S3, and
-    pass EC2's spot interruption notice on as SIGTERM, so it checkpoints at once."""
+    pass EC2's spot interruption notice on as SIGTERM, so it checkpoints at once, and a peer's
+    failure report too: its workers would otherwise wait in collectives with the failed node
+    until the process-group timeout."""
     env = {**os.environ, **config.get("environment", {}), logformat.STAMP_ENV: "1"}
     logs_uri = layout.logs_folder(config["prefix"], node.private_ip)
     stop = threading.Event()
@@ -187,6 +190,17 @@ def run_agent(client, config: dict, node: Node, paths: contract.Paths,
             _quietly(upload_bootstrap_log, client, config, node)
             _quietly(sync_checkpoints, client, paths.checkpoints_dir, checkpoint_uri(config),
                      synced)
+
+    def watch_peers() -> None:
+        while not stop.wait(PEER_POLL_S):
+            failed: list[str] = []
+            _quietly(failed_peers, client, config, node, failed)  # S3 busy: look again
+            if failed:
+                print(f"dtrain: node {failed[0]} reported a failure: stopping this node's "
+                      "workers now instead of waiting for their collectives to time out",
+                      file=sys.stderr, flush=True)
+                agent.send_signal(signal.SIGTERM)
+                return
 
     def watch_spot() -> None:
         while not stop.wait(SPOT_POLL_S):
@@ -202,7 +216,7 @@ def run_agent(client, config: dict, node: Node, paths: contract.Paths,
                 agent.send_signal(signal.SIGTERM)
                 return
 
-    threads = [threading.Thread(target=t, daemon=True) for t in (sync, watch_spot)]
+    threads = [threading.Thread(target=t, daemon=True) for t in (sync, watch_spot, watch_peers)]
     for thread in threads:
         thread.start()
     try:
@@ -211,6 +225,16 @@ def run_agent(client, config: dict, node: Node, paths: contract.Paths,
         stop.set()
         for thread in threads:
             thread.join(timeout=5)
+
+
+def failed_peers(client, config: dict, node: Node, found: list[str]) -> None:
+    """Add to ``found`` the other nodes whose status object says they failed."""
+    bucket, _ = s3.split(config["prefix"])
+    reports = [layout.read_json(client, bucket, key)
+               for key in layout.list_keys(client, layout.status_folder(config["prefix"]))
+               if key.endswith(".json")]
+    found.extend(r.get("host") for r in reports
+                 if r.get("state") == "failed" and r.get("host") != node.private_ip)
 
 
 def sync_checkpoints(client, folder: str, uri: str, synced: set[str]) -> None:
