@@ -279,6 +279,22 @@ class FakeImds:
         self.notice.update(action="terminate", time="2026-11-24T03:00:00Z")
 
 
+def start_one_node(s3, tmp_path, config: dict) -> tuple[threading.Thread, dict]:
+    """A one-node job whose agent checkpoints each step and once more on SIGTERM, run by the
+    bootstrap in a thread; ``result["code"]`` is its exit code once the thread ends."""
+    upload_artifacts(s3, config)
+    stub = tmp_path / "agent.py"
+    stub.write_text(SPOT_AGENT)
+    node = boot.Node(rank=0, private_ip=IPS[0], instance_id="i-0",
+                     root=str(tmp_path / "node" / "ml"), work_dir=str(tmp_path / "node" / "work"))
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(code=boot.run_node(
+        s3, config, node, command=[sys.executable, str(stub), node.root],
+        rendezvous_timeout_s=30, poll_s=0.2)))
+    runner.start()
+    return runner, result
+
+
 def test_a_spot_notice_checkpoints_at_once_and_every_complete_checkpoint_is_already_in_s3(
         s3, tmp_path, monkeypatch):
     imds = FakeImds()
@@ -286,16 +302,7 @@ def test_a_spot_notice_checkpoints_at_once_and_every_complete_checkpoint_is_alre
     monkeypatch.setattr(boot, "LOG_SYNC_S", 0.2)
     monkeypatch.setattr(boot, "SPOT_POLL_S", 0.2)
     config = {**job_config("t-spot"), "num_nodes": 1}
-    upload_artifacts(s3, config)
-    stub = tmp_path / "agent.py"
-    stub.write_text(SPOT_AGENT)
-    node = boot.Node(rank=0, private_ip=IPS[0], instance_id="i-0",
-                     root=str(tmp_path / "node" / "ml"), work_dir=str(tmp_path / "node" / "work"))
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(code=boot.run_node(
-        s3, config, node, command=[sys.executable, str(stub), node.root],
-        rendezvous_timeout_s=30, poll_s=0.2)))
-    runner.start()
+    runner, result = start_one_node(s3, tmp_path, config)
     bucket, prefix = s3_uri.split(boot.checkpoint_uri(config))
 
     def keys() -> list[str]:
@@ -323,16 +330,7 @@ def test_a_peers_failure_report_stops_this_nodes_workers_at_once(s3, tmp_path, m
     process-group timeout (30 min of idle p4d time)."""
     monkeypatch.setattr(boot, "PEER_POLL_S", 0.2)
     config = {**job_config("t-peer"), "num_nodes": 1}
-    upload_artifacts(s3, config)
-    stub = tmp_path / "agent.py"
-    stub.write_text(SPOT_AGENT)
-    node = boot.Node(rank=0, private_ip=IPS[0], instance_id="i-0",
-                     root=str(tmp_path / "node" / "ml"), work_dir=str(tmp_path / "node" / "work"))
-    result = {}
-    runner = threading.Thread(target=lambda: result.update(code=boot.run_node(
-        s3, config, node, command=[sys.executable, str(stub), node.root],
-        rendezvous_timeout_s=30, poll_s=0.2)))
-    runner.start()
+    runner, result = start_one_node(s3, tmp_path, config)
     time.sleep(3)
     assert runner.is_alive(), "the agent runs until told otherwise"
     peer = boot.Node(rank=1, private_ip=IPS[1], instance_id="i-1", root="", work_dir="")
