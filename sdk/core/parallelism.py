@@ -27,13 +27,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from dtrain.core import tensor_parallel as tpl
-from dtrain.core.collective_choices import divisors as _divisors
 from dtrain.core.collective_choices import (
     GRADIENT_SYNCS,
     gradient_sync,
     hierarchical,
     hierarchical_setting,
 )
+from dtrain.core.collective_choices import divisors as _divisors
 from dtrain.core.collective_choices import short_list as _short_list
 from dtrain.core.errors import ParallelismError
 from dtrain.core.sizing import (  # noqa: F401 -- re-exported: the plan's sizing functions

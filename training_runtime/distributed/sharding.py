@@ -14,7 +14,9 @@ are gathered just before it runs and freed after.
 * in between: HSDP = MiCS; when a group spans nodes, the hierarchical all-gather of
   :mod:`dtrain.runtime.distributed.collectives` replaces the flat one (``hierarchical_allgather``).
 
-Gradient sync with accumulation (2-hop) lives in :mod:`dtrain.runtime.distributed.accumulation`.
+Gradient sync with accumulation (2-hop) lives in :mod:`dtrain.runtime.distributed.accumulation`;
+with ``gradient_sync: overlapped`` FSDP2 shards over the partition group only and the replicas'
+all-reduce runs in the background (:mod:`dtrain.runtime.distributed.gradient_sync`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from dtrain.core.parallelism import ParallelismPlan
 from dtrain.core.tensor_parallel import ModelDims
 from dtrain.runtime import torch_private
+from dtrain.runtime.distributed import gradient_sync
 from dtrain.runtime.distributed.collectives import HierarchicalAllGather
 from dtrain.runtime.distributed.context import RuntimeContext
 from dtrain.runtime.distributed.tensor_parallel import apply_tensor_parallel
@@ -44,6 +47,7 @@ def shard(
     activation_checkpointing: bool | None = None,
     reshard_after_forward: bool = True,
     sharding_degree: int | None = None,
+    fusion_buffer_bytes: int = gradient_sync.DEFAULT_BUFFER_BYTES,
 ) -> nn.Module:
     """Shard ``model`` in place with MiCS and return it (an ``FSDPModule``).
 
@@ -51,6 +55,8 @@ def shard(
     ``mixed_precision`` / ``activation_checkpointing`` / ``sharding_degree`` default to the
     context's distribution settings. A model built on the meta device is materialised on
     ``ctx.device`` after sharding and initialised with its ``init_weights()``.
+    ``fusion_buffer_bytes`` sizes the overlapped gradient sync's buffers (``gradient_sync:
+    overlapped`` in the plan).
     """
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
     if ctx.plan.tp > 1:  # before checkpoint wrapping, which renames the modules a plan names
@@ -71,7 +77,7 @@ def shard(
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
-    _configure_collectives(model, ctx)
+    _configure_collectives(model, ctx, fusion_buffer_bytes=fusion_buffer_bytes)
     _materialize_if_meta(model, ctx)
     return model
 
@@ -156,12 +162,17 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
     return wrapped
 
 
-def _configure_collectives(model: nn.Module, ctx: RuntimeContext) -> None:
+def _configure_collectives(model: nn.Module, ctx: RuntimeContext, *,
+                           fusion_buffer_bytes: int) -> None:
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if ctx.backend == "gloo":
+    overlapped = ctx.plan.gradient_sync == "overlapped"
+    if ctx.backend == "gloo" or overlapped:
         # gloo has no ReduceOp.AVG: reduce with SUM and let FSDP2 divide afterwards.
         for module in fsdp_modules:
             module.set_force_sum_reduction_for_comms(True)
+    if overlapped:  # FSDP2 averages over the partition group, gradient_sync over replicas
+        gradient_sync.attach(model, ctx.replica_sync_group(), device=ctx.device,
+                             buffer_bytes=fusion_buffer_bytes)
     if ctx.plan.hierarchical_allgather:
         comm = HierarchicalAllGather(ctx.hierarchy_groups())
         for module in fsdp_modules:
