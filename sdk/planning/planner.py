@@ -107,8 +107,10 @@ class Plan:
     @property
     def chosen(self) -> costmodel.StepEstimate | None:
         """The estimate for the configuration this job will run."""
+        sync = self.parallelism.gradient_sync if self.parallelism else "fsdp"
         return next((s for s in self.strategies if s.sharding_degree == self.sharding_degree
-                     and s.hierarchical == self.hierarchical_allgather), None)
+                     and s.hierarchical == self.hierarchical_allgather
+                     and s.gradient_sync == sync), None)
 
     def runtime_distribution(self) -> dict[str, Any]:
         """The resolved distribution the runtime reads (``DTRAIN_DISTRIBUTION``).
@@ -158,7 +160,8 @@ def plan(spec: JobSpec) -> Plan:
     model = model_shape(spec.hyperparameters)
     precision = resolve_mixed_precision(dist.mixed_precision, inst)
     backend = "gloo" if dist.backend == "gloo" or not inst.has_gpu else "nccl"
-    cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn)
+    cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn,
+                          backend=backend)
     work = workload(model, precision, dist.activation_checkpointing) if model else None
     notes: list[str] = []
     if model is None:
@@ -174,8 +177,8 @@ def plan(spec: JobSpec) -> Plan:
             f"estimated {memory.total_gib:.1f} GiB per device exceeds its {memory.device_gib:.0f}"
             " GiB; raise sharding_degree or enable activation_checkpointing"
         )
-    strategies = _strategies(work, cluster, degree, dist.gradient_accumulation_steps) \
-        if work else []
+    strategies = _strategies(model, work, cluster, inst, parallelism,
+                             dist.gradient_accumulation_steps) if work else []
     price = compute.price_per_hour or inst.price_per_hour(compute.target)
     return Plan(spec, inst, compute.instance_count, ppn, world, parallelism, backend, precision,
                 model, memory, strategies, price, notes)
@@ -189,13 +192,14 @@ def resolve_mixed_precision(requested: str, inst: instances.InstanceType) -> str
     return "bf16" if inst.peak_bf16_tflops > 0 else "fp16"
 
 
-def cluster_for(inst: instances.InstanceType, *, nodes: int,
-                processes_per_node: int) -> costmodel.Cluster:
+def cluster_for(inst: instances.InstanceType, *, nodes: int, processes_per_node: int,
+                backend: str | None = None) -> costmodel.Cluster:
     tflops = inst.peak_tflops if inst.has_gpu and inst.peak_tflops else instances.LOCAL_CPU_TFLOPS
     return costmodel.Cluster(
         num_nodes=nodes, gpus_per_node=processes_per_node, tflops_per_gpu=tflops,
         intra_gbytes_per_s=inst.intra_node_gbytes_per_s or 5.0,
         inter_gbits_per_s=inst.network_gbits_per_s or 40.0,
+        backend=backend or ("nccl" if inst.has_gpu else "gloo"),
     )
 
 
@@ -316,9 +320,13 @@ def _parallelism(spec, model, work, notes) -> ParallelismPlan | None:
     return result
 
 
-def _strategies(work, cluster, degree, accumulation) -> list[costmodel.StepEstimate]:
-    """DDP, ZeRO-3 and MiCS at the chosen degree (flat and hierarchical where it differs)."""
+def _strategies(model, work, cluster, inst, parallelism,
+                accumulation) -> list[costmodel.StepEstimate]:
+    """DDP, ZeRO-3 and MiCS at the chosen degree (flat and hierarchical all-gather where it
+    differs, FSDP2's and the overlapped gradient sync where there are replicas), fastest first;
+    those whose memory does not fit the device last, without a step time."""
     world = cluster.world_size
+    degree = parallelism.dp_shard if parallelism else None
     configs = [(1, False), (world, False)]
     # the hierarchical all-gather runs only on groups of whole nodes (dtrain.core.parallelism)
     if world > cluster.gpus_per_node:
@@ -327,10 +335,15 @@ def _strategies(work, cluster, degree, accumulation) -> list[costmodel.StepEstim
         configs.append((degree, False))
         if degree > cluster.gpus_per_node and degree % cluster.gpus_per_node == 0:
             configs.append((degree, True))
-    seen, out = set(), []
-    for d, hier in configs:
-        if (d, hier) not in seen:
-            seen.add((d, hier))
-            out.append(costmodel.estimate_step(work, cluster, sharding_degree=d,
-                                               accumulation=accumulation, hierarchical=hier))
-    return out
+    out = []
+    for d, hier in dict.fromkeys(configs):
+        for sync in ("fsdp", "overlapped") if d < world else ("fsdp",):
+            est = costmodel.estimate_step(work, cluster, sharding_degree=d,
+                                          accumulation=accumulation, hierarchical=hier,
+                                          gradient_sync=sync)
+            if inst.gpu_memory_gib:
+                mem = memory_estimate(model, work, inst, d)
+                est = costmodel.with_memory(est, memory_gib=mem.total_gib,
+                                            device_gib=mem.device_gib)
+            out.append(est)
+    return sorted(out, key=lambda s: (not s.fits, -(s.tokens_per_s or 0.0)))
