@@ -152,26 +152,34 @@ def adamw(model):
 
 
 def worker_train(args: argparse.Namespace) -> None:
-    """dtrain: ``init`` reads DTRAIN_DISTRIBUTION from the contract, ``shard``, ``accumulate``."""
+    """dtrain, one row after another in one process group (``args.rows``: a JSON list of
+    ``{"distribution", "accum", "micro_batch"}``): ``init``, ``shard``, ``accumulate``."""
     import dtrain.runtime as rt
     import torch
+    from dtrain.runtime.distributed import gradient_sync
 
     torch.set_num_threads(1)
-    ctx = rt.init()
-    torch.manual_seed(0)
-    model = rt.shard(build_model(args.model), ctx)
-    opt = adamw(model)
+    results = []
+    for spec in json.loads(args.rows):
+        args.accum, args.micro_batch = spec["accum"], spec["micro_batch"]
+        ctx = rt.init(distribution=spec["distribution"])
+        torch.manual_seed(0)
+        model = rt.shard(build_model(args.model), ctx)
+        opt = adamw(model)
 
-    def one_step(batches: list) -> None:
-        for micro in ctx.accumulate(model, batches):
-            micro.scale(lm_loss(model, micro.batch)).backward()
-        opt.step()
-        opt.zero_grad()
+        def one_step(batches: list, model=model, opt=opt, ctx=ctx) -> None:
+            for micro in ctx.accumulate(model, batches):
+                micro.scale(lm_loss(model, micro.batch)).backward()
+            opt.step()
+            opt.zero_grad()
 
-    result = timed_steps(args, model.config.vocab_size, one_step, stats=ctx.comm_stats)
-    result["gradient_sync"] = ctx.plan.gradient_sync
-    if ctx.is_main:
-        Path(args.out).write_text(json.dumps(result))
+        result = timed_steps(args, model.config.vocab_size, one_step, stats=ctx.comm_stats)
+        results.append({**result, "gradient_sync": ctx.plan.gradient_sync})
+        sync = gradient_sync.attached(model)
+        if sync is not None:
+            sync.close()
+    if torch.distributed.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"rows": results}))
     torch.distributed.destroy_process_group()
 
 

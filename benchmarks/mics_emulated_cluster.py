@@ -26,6 +26,7 @@ Adding a row: append a :class:`Row`; a dtrain setting the row needs goes into
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -147,19 +148,24 @@ def predict(args, row: Row, cluster) -> float:
 # ---------------------------------------------------------------- the benchmark
 
 
-def run_row(launch: Launcher, args, row: Row) -> dict:
+def run_rows(launch: Launcher, args, rows: list[Row]) -> list[dict]:
+    """Time ``rows`` of one implementation: dtrain's in one launch (one process group, a fresh
+    context and model per row), the others one launch each."""
     params = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
-              "micro-batch": row.micro_batch, "seq-len": args.seq_len, "accum": row.accum,
-              "degree": row.degree, "hierarchical": int(row.hierarchical)}
-    if row.impl == "dtrain":
-        return launch.run("dtrain", distribution=dtrain_distribution(row), **params)
-    return launch.run(row.impl, **params)
+              "seq-len": args.seq_len}
+    if rows[0].impl == "dtrain":
+        specs = [{"distribution": dtrain_distribution(r), "accum": r.accum,
+                  "micro_batch": r.micro_batch} for r in rows]
+        return launch.run("dtrain", distribution=specs[0]["distribution"],
+                          rows=json.dumps(specs), **params)["rows"]
+    return [launch.run(row.impl, **params, **{"micro-batch": row.micro_batch}, accum=row.accum,
+                       degree=row.degree, hierarchical=int(row.hierarchical)) for row in rows]
 
 
 def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     started = time.monotonic()
     rows = [replace(r, micro_batch=r.micro_batch or args.micro_batch)
-            for r in ROWS if (args.full or r.default) and (not args.rows or r.label in args.rows)]
+            for r in ROWS if (args.full or r.default) and (not args.only or r.label in args.only)]
     deepspeed = deepspeed_available()
     launch = Launcher(args, job_dir)
     loopback = launch.run("loopback", hosts=1)["bytes_per_s"]
@@ -177,18 +183,23 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
                                  latency=probe["latency_s"], micro_compute_s=per_micro)
     print_header(args, loopback, probe, deepspeed)
     results = {}
-    for row in rows:
-        if row.impl == "deepspeed" and not deepspeed:
+    # dtrain's rows first (one launch), the reference row of each setting before the others
+    for group in (
+            [r for r in rows if r.impl == "dtrain"],
+            *([r] for r in rows if r.impl == "fsdp2" or (r.impl == "deepspeed" and deepspeed))):
+        if not group:
             continue
         try:
-            res = run_row(launch, args, row)
+            measured = run_rows(launch, args, group)
         except RuntimeError as exc:
-            print(f"{row.label:<18} accum {row.accum}: FAILED: {str(exc).splitlines()[-1]}")
+            print(f"{group[0].label:<18} accum {group[0].accum}: FAILED: "
+                  f"{str(exc).splitlines()[-1]}", flush=True)
             continue
-        res["compute_s"] = compute[(row.micro_batch, row.accum)]
-        res["model_s"] = predict(args, row, cluster)
-        results[row.key] = res
-        print_row(args, row, res, link, results)
+        for row, res in zip(group, measured):
+            res["compute_s"] = compute[(row.micro_batch, row.accum)]
+            res["model_s"] = predict(args, row, cluster)
+            results[row.key] = res
+            print_row(args, row, res, link, results)
     report(args, rows, results, link)
     print(f"# {time.monotonic() - started:.0f} s in all; load average {_load()} at the end")
 
@@ -321,7 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ratio", type=float, default=12.0, help="loopback bandwidth / link bandwidth")
     p.add_argument("--full", action="store_true", help="every row, not only the default ones")
-    p.add_argument("--rows", nargs="+", help="only rows with these labels")
+    p.add_argument("--only", nargs="+", metavar="LABEL", help="only rows with these labels")
     p.add_argument("--model", default="gpt-neox-30m", help="a preset from dtrain.core.presets")
     p.add_argument("--steps", type=int, default=1, help="measured optimizer steps per row")
     p.add_argument("--warmup", type=int, default=1,
@@ -332,7 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cleanup", action="store_true",
                    help="only remove namespaces, processes and temp dirs a killed run left")
     # Set by the benchmark in the contract's hyperparameters for the workers the agent starts.
-    for hidden in ("--role", "--out", "--settings"):
+    for hidden in ("--role", "--out", "--settings", "--rows"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     for hidden in ("--degree", "--accum", "--hierarchical"):
         p.add_argument(hidden, type=int, default=1, help=argparse.SUPPRESS)
