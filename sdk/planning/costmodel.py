@@ -181,8 +181,12 @@ def compute_seconds(work: Workload, cluster: Cluster) -> float:
 
 def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
                   accumulation: int = 1, hierarchical: bool = False,
-                  gradient_sync: str = "fsdp") -> StepEstimate:
-    """Predict one optimizer step of FSDP2/MiCS at ``sharding_degree``."""
+                  gradient_sync: str = "fsdp",
+                  reduce_scatter_factor: float | None = None) -> StepEstimate:
+    """Predict one optimizer step of FSDP2/MiCS at ``sharding_degree``.
+
+    ``reduce_scatter_factor``: the reduce-scatter's bytes over a ring's; default 1 with NCCL
+    and 2 with gloo, whose ``reduce_scatter_tensor`` runs as an all-reduce (measured)."""
     world = cluster.world_size
     degree = sharding_degree
     units = work.num_layers + 1
@@ -195,8 +199,9 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
     if degree > 1:
         gather = (hierarchical_allgather(params, **shape) if hierarchical and nodes > 1
                   else ring(params, **shape))
-        # gloo's reduce-scatter runs as an all-reduce: twice the ring's bytes
-        reduce = ring(grads, **shape, factor=1 if cluster.overlaps_collectives else 2)
+        if reduce_scatter_factor is None:
+            reduce_scatter_factor = 1 if cluster.overlaps_collectives else 2
+        reduce = ring(grads, **shape, factor=reduce_scatter_factor)
     micro = Traffic()
     micro.add(gather, 2 * units)
     micro.add(reduce, units)

@@ -18,12 +18,27 @@ import traceback
 import pytest
 import torch
 from test_mics_sharding import SEQ, VOCAB, TinyLM, lm_loss
+from torch.distributed.fsdp import FSDPModule
 
 WORLD, PER_HOST, STEPS, MICRO_BATCH = 4, 2, 3, 2
 BUFFER_BYTES = 4096  # 1024 fp32 elements: several buffers per step, shards split across them
 # (sharding_degree, gradient_accumulation_steps)
 CONFIGS = [(1, 1), (1, 4), (2, 1), (2, 4)]
 TOLERANCE = 1e-6
+
+
+class HeadLM(TinyLM):
+    """TinyLM whose output layer is ``lm_head``: ``shard`` makes it an FSDP unit of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = self._modules.pop("head")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -36,10 +51,11 @@ def _train(rt, degree: int, accum: int, sync: str) -> dict:
     ctx = rt.init(distribution={"sharding_degree": degree, "gradient_accumulation_steps": accum,
                                 "gradient_sync": sync})
     torch.manual_seed(0)
-    model = rt.shard(TinyLM(), ctx, fusion_buffer_bytes=BUFFER_BYTES)
+    model = rt.shard(HeadLM(), ctx, fusion_buffer_bytes=BUFFER_BYTES)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     attached = gradient_sync.attached(model)
     out = {"plan_sync": ctx.plan.gradient_sync, "attached": attached is not None,
+           "head_unit": isinstance(model.lm_head, FSDPModule),
            "fsdp_mesh": ctx.data_parallel_mesh.mesh_dim_names, "grads": [], "stats": [],
            "history": [], "sent_before_last_shard": [], "per_micro": []}
     if attached is not None:
@@ -131,6 +147,7 @@ def test_fsdp2_shards_over_the_partition_group_only_when_overlapped(results, con
     assert (overlapped["plan_sync"], overlapped["attached"]) == ("overlapped", True)
     assert fsdp["fsdp_mesh"] == ("dp_replicate", "dp_shard")
     assert overlapped["fsdp_mesh"] == ("dp_shard",)
+    assert fsdp["head_unit"] and overlapped["head_unit"]  # the untied lm_head is its own unit
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)

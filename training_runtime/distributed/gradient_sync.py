@@ -131,7 +131,7 @@ class OverlappedGradientSync:
     def _start_window(self, dtype: torch.dtype) -> None:
         self._open, self._dtype = True, self._dtype or dtype
         if self._copied_back is not None:  # last step's copy-back read these buffers
-            torch.accelerator.current_stream().wait_event(self._copied_back)
+            torch.cuda.current_stream().wait_event(self._copied_back)
             self._copied_back = None
         # runs after FSDP2's own final callback (queued earlier), which reduces the root's
         # gradients and so fills the last buffers

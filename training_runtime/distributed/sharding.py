@@ -7,7 +7,8 @@ the data-parallel axes (parameters become DTensors on ``dp × tp``, torchtitan's
 The plan's ``dp_shard`` mesh axis is a MiCS partition group: parameters, gradients
 and optimizer states are sharded inside it and replicated across groups. ``fully_shard`` is
 applied per transformer block, then on the root (torchtitan's order), so a block's parameters
-are gathered just before it runs and freed after.
+are gathered just before it runs and freed after. An untied output layer (``lm_head``) is a unit
+of its own, as in torchtitan, so its gradient is reduced first in backward, not last.
 
 * degree 1: every group has one rank, FSDP2 replicates only (DDP: one all-reduce per step);
 * degree = world size: one group, plain FSDP on the shard axis (ZeRO-3);
@@ -76,6 +77,12 @@ def shard(
     options = {"mesh": fsdp_mesh, "mp_policy": policy}
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    head = output_head(model)
+    if head is not None:
+        # torchtitan's unit for the output layer: its gradient, first in backward, is reduced
+        # (and handed to the overlapped sync) while the blocks compute, not with the root's at
+        # the very end; backward needs it at once, so it stays gathered after forward.
+        fully_shard(head, reshard_after_forward=False, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
     _configure_collectives(model, ctx, fusion_buffer_bytes=fusion_buffer_bytes)
     _materialize_if_meta(model, ctx)
@@ -143,6 +150,19 @@ def find_blocks(
             f"no transformer blocks found in {type(model).__name__}; pass block_classes=[...]"
         )
     return blocks
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's untied output layer (``lm_head``, as Hugging Face names it), or None."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module) or not any(p.requires_grad for p in head.parameters()):
+        return None
+    inside = {id(m) for m in head.modules()}
+    own = {id(p) for p in head.parameters()}
+    for module in model.modules():
+        if id(module) not in inside and own & {id(p) for p in module.parameters(recurse=False)}:
+            return None  # tied to the input embedding: one parameter cannot be in two units
+    return head
 
 
 def _contains(parent: nn.Module, module: nn.Module) -> bool:
