@@ -4,7 +4,9 @@ torch's elastic agent offers no public hook to stop it from restarting workers t
 purpose, nor to read its workers' exit codes; FSDP2's custom all-gather takes an instance of a
 class that lives in a private module; activation checkpointing's wrapper and the default process
 group have no public import path either; DTensor's collectives (tensor parallelism) go through
-the private functional-collectives module, where the communication statistics count them. They are reached only through this module, which was
+the private functional-collectives module, where the communication statistics count them; the
+overlapped gradient sync waits for its communicator in an autograd final callback, which only
+the private execution engine queues. They are reached only through this module, which was
 checked on the torch range of :mod:`dtrain.core.torch_support`. ``check_torch`` runs when the
 node agent starts, so an image with an unsupported torch fails at once with one line naming its
 torch and the range, not in the middle of a job; a test fails when a name disappears.
@@ -33,6 +35,7 @@ PRIVATE_NAMES = (
     ("torch.distributed.distributed_c10d", "_resolve_process_group"),
     ("torch.distributed.elastic.agent.server.local_elastic_agent", "LocalElasticAgent"),
     ("torch.distributed.launcher.api", "LocalElasticAgent"),  # what launch_agent builds
+    ("torch.autograd.variable", "Variable._execution_engine"),
 )
 # private members of torch's elastic agent that ``HookedElasticAgent`` overrides or reads
 PRIVATE_AGENT_METHODS = ("_start_workers", "_monitor_workers", "_shutdown")
@@ -50,7 +53,7 @@ def missing_private_names() -> list[str]:
     missing = []
     for module, name in PRIVATE_NAMES:
         try:
-            getattr(importlib.import_module(module), name)
+            functools.reduce(getattr, name.split("."), importlib.import_module(module))
         except (ImportError, AttributeError):
             missing.append(f"{module}.{name}")
     agent = _local_elastic_agent()
@@ -112,6 +115,14 @@ def default_group() -> Any:
 
 def foreach_mul_(tensors: list[torch.Tensor], factor: Any) -> None:
     torch._foreach_mul_(tensors, factor)
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends (FSDP2's final hooks use this
+    too; callbacks run in the order they were queued)."""
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.queue_callback(callback)
 
 
 def functional_collectives() -> Any:

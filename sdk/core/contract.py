@@ -64,6 +64,7 @@ DISTRIBUTION_DEFAULTS: dict[str, Any] = {
     "tensor_parallel_degree": 1,
     "tensor_parallel_mode": "1d",
     "sequence_parallel": "auto",
+    "gradient_sync": "auto",
     # the resolved dtrain.core.parallelism plan (a dict), or None when sharding_degree is auto
     # and the model's size is known only at run time
     "parallelism": None,
@@ -72,6 +73,7 @@ DISTRIBUTION_DEFAULTS: dict[str, Any] = {
 BACKENDS = ("auto", "nccl", "gloo")
 MIXED_PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 ATTENTION_KERNELS = ("flash", "sdpa", "eager")
+GRADIENT_SYNC_SETTINGS = ("auto", "fsdp", "overlapped")
 
 
 def bare_instance_type(instance_type: str) -> str:

@@ -31,3 +31,11 @@ class SpecError(DtrainError, ValueError):
 
 class SpecWarning(UserWarning):
     """Something in the spec will work but is probably not what the user wants."""
+
+
+class ParallelismError(ValueError):
+    """A distribution the cluster cannot run; ``field`` is the spec field to change."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")

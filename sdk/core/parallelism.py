@@ -14,6 +14,10 @@ Axes, outermost first (ranks are node-contiguous, so the innermost axes stay ins
   (1 = DDP, every data-parallel rank = ZeRO-3, in between = MiCS);
 * ``tp``: tensor parallelism, innermost, inside a node. In the ``2d`` (Optimus) layout the mesh
   splits it into a ``tp_row × tp_col`` grid (``q × q``); the ranks and their order are the same.
+
+The plan also says how the replicas' gradient all-reduce runs (``gradient_sync``): ``fsdp``, FSDP2's
+own all-reduce per block inside backward, or ``overlapped``, SDP-style fusion buffers all-reduced by
+a background communicator while backward goes on (see ``docs/concepts/overlapped-gradient-sync.md``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from dtrain.core import tensor_parallel as tpl
+from dtrain.core.collective_choices import (
+    GRADIENT_SYNCS,
+    gradient_sync,
+    hierarchical,
+    hierarchical_setting,
+)
+from dtrain.core.collective_choices import divisors as _divisors
+from dtrain.core.collective_choices import short_list as _short_list
+from dtrain.core.errors import ParallelismError
 from dtrain.core.sizing import (  # noqa: F401 -- re-exported: the plan's sizing functions
     DEFAULT_HEADROOM,
     MODEL_STATE_BYTES_PER_PARAM,
@@ -35,14 +48,6 @@ from dtrain.core.tensor_parallel import ModelDims
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 GRID_AXES = ("tp_row", "tp_col")  # the 2-D layout's tp axis, as the mesh names it
-
-
-class ParallelismError(ValueError):
-    """A distribution the cluster cannot run; ``field`` is the spec field to change."""
-
-    def __init__(self, field: str, message: str) -> None:
-        self.field = field
-        super().__init__(f"{field}: {message}")
 
 
 @dataclass(frozen=True)
@@ -58,12 +63,15 @@ class ParallelismPlan:
     hierarchical_allgather: bool
     tp_mode: str = "1d"  # "1d" (Megatron) or "2d" (Optimus q × q grid)
     sequence_parallel: bool = False  # 1-D only: norms and residuals split the sequence
+    gradient_sync: str = "fsdp"  # "overlapped" only with replicas to all-reduce across
 
     def __post_init__(self) -> None:
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         assert product == self.world_size, (self, product)
         assert self.world_size % self.devices_per_node == 0, self
         assert self.tp_mode == "1d" or tpl.grid_side(self.tp), self
+        assert self.gradient_sync in GRADIENT_SYNCS, self
+        assert self.gradient_sync == "fsdp" or self.dp_replicate > 1, self
 
     # ---------------------------------------------------------------- the mesh
 
@@ -160,6 +168,17 @@ class ParallelismPlan:
         c = self.coordinates(rank)
         return [self._rank_of({**c, "dp_shard": i}) for i in range(self.dp_shard)]
 
+    def replica_group(self, rank: int) -> list[int]:
+        """The ranks holding the same shard as ``rank`` in the other replicas, in order: the
+        group the replicas' gradient all-reduce runs over."""
+        c = self.coordinates(rank)
+        return [self._rank_of({**c, "dp_replicate": i}) for i in range(self.dp_replicate)]
+
+    @property
+    def replica_group_spans_nodes(self) -> bool:
+        """The replicas' gradient all-reduce crosses nodes (same shape for every rank)."""
+        return len({r // self.devices_per_node for r in self.replica_group(0)}) > 1
+
     def tp_group(self, rank: int) -> list[int]:
         """The ranks of ``rank``'s tensor-parallel group (consecutive: ``tp`` is innermost)."""
         first = rank - self.coordinates(rank)["tp"]
@@ -204,7 +223,7 @@ def build_parallelism_plan(
     """The plan for ``distribution`` on ``world_size`` ranks, ``devices_per_node`` per node.
 
     ``distribution`` holds the spec's keys (``sharding_degree``, ``hierarchical_allgather``,
-    ``backend``, ``tensor_parallel_degree``, ``tensor_parallel_mode``, ``sequence_parallel``,
+    ``gradient_sync``, ``backend``, ``tensor_parallel_degree``, ``tensor_parallel_mode``, ``sequence_parallel``,
     ``pipeline_parallel_degree``; missing ones take their defaults). ``model_dims``, when known,
     refuses tensor-parallel degrees that do not split the model. Returns None when a degree is
     ``auto`` and the model size or the device memory is not known yet: the runtime then calls
@@ -279,7 +298,7 @@ def _plan_at(distribution: Mapping[str, Any], shape: _Shape, *, tp: int, explici
     except ValueError as exc:
         raise ParallelismError("distribution.sequence_parallel", str(exc)) from None
     dp = world_size // (tp * pp)
-    setting, backend = _hierarchical_setting(distribution)
+    setting, backend = hierarchical_setting(distribution)
     other = shape.other_bytes_at(tp)
     degree = _sharding_degree(distribution, dp=dp,
                               dp_per_node=max(1, shape.devices_per_node // tp), tp=tp, pp=pp,
@@ -295,8 +314,9 @@ def _plan_at(distribution: Mapping[str, Any], shape: _Shape, *, tp: int, explici
                            dp_replicate=dp // degree, dp_shard=degree, tp=tp,
                            hierarchical_allgather=False, tp_mode=shape.mode,
                            sequence_parallel=sequence_parallel)
-    hierarchical = _hierarchical(plan, setting, backend)
-    return ParallelismPlan(**{**asdict(plan), "hierarchical_allgather": hierarchical})
+    return ParallelismPlan(**{
+        **asdict(plan), "hierarchical_allgather": hierarchical(plan, setting, backend),
+        "gradient_sync": gradient_sync(plan, distribution.get("gradient_sync", "auto"), backend)})
 
 
 def _auto_tensor_parallel(distribution: Mapping[str, Any], shape: _Shape,
@@ -361,47 +381,3 @@ def _sharding_degree(distribution: Mapping[str, Any], *, dp: int, dp_per_node: i
                                       f"{_short_list(_divisors(dp))}")
     return requested
 
-
-def _hierarchical_setting(distribution: Mapping[str, Any]) -> tuple[Any, str]:
-    setting = distribution.get("hierarchical_allgather", "auto")
-    backend = distribution.get("backend", "auto")
-    field = "distribution.hierarchical_allgather"
-    if setting not in ("auto", True, False):
-        raise ParallelismError(field, f"{setting!r}: use auto, true or false")
-    if setting is True and backend == "nccl":
-        raise ParallelismError(
-            field, "true needs dtrain's collectives, but backend 'nccl' means stock NCCL "
-            "collectives only; set distribution.backend to 'auto' or drop the flag")
-    return setting, backend
-
-
-def _hierarchical(plan: ParallelismPlan, setting: Any, backend: str) -> bool:
-    """MiCS's two-stage all-gather: only where a partition group spans whole nodes.
-
-    ``auto`` turns it on there with backend ``auto`` (``nccl``/``gloo`` ask for stock
-    collectives); ``true`` asks for it wherever a group spans nodes, so a group that spans
-    nodes without being made of whole nodes is refused here, before any machine starts.
-    """
-    field = "distribution.hierarchical_allgather"
-    if setting is False or not plan.shard_group_spans_nodes:
-        return False
-    if not plan.shard_group_whole_nodes:
-        if setting is True:
-            per_node = plan.devices_per_node // plan.tp
-            whole = [d for d in _divisors(plan.dp_degree) if d % per_node == 0]
-            raise ParallelismError(
-                field, f"true needs partition groups of whole nodes, but sharding_degree "
-                f"{plan.dp_shard} is not a multiple of the {per_node} data-parallel ranks per "
-                f"node; use sharding_degree {_short_list(whole)}, or hierarchical_allgather "
-                "auto")
-        return False
-    return setting is True or backend == "auto"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _short_list(values: list[int]) -> str:
-    shown = values if len(values) <= 12 else [*values[:6], "…", *values[-3:]]
-    return ", ".join(str(v) for v in shown) or "none"

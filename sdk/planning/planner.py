@@ -99,9 +99,10 @@ class Plan:
     def chosen(self) -> costmodel.StepEstimate | None:
         """The estimate for the configuration this job will run."""
         tp = self.parallelism.tp if self.parallelism else 1
+        sync = self.parallelism.gradient_sync if self.parallelism else "fsdp"
         return next((s for s in self.strategies if s.sharding_degree == self.sharding_degree
                      and s.hierarchical == self.hierarchical_allgather
-                     and s.tensor_parallel == tp), None)
+                     and s.tensor_parallel == tp and s.gradient_sync == sync), None)
 
     def tensor_parallel_summary(self) -> dict[str, Any] | None:
         """The tensor-parallel layout, why, and its bytes per step per device."""
@@ -162,7 +163,8 @@ def plan(spec: JobSpec) -> Plan:
     model = model_shape(spec.hyperparameters)
     precision = resolve_mixed_precision(dist.mixed_precision, inst)
     backend = "gloo" if dist.backend == "gloo" or not inst.has_gpu else "nccl"
-    cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn)
+    cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn,
+                          backend=backend)
     work = workload(model, precision, dist.activation_checkpointing) if model else None
     notes: list[str] = []
     if model is None:
@@ -181,8 +183,8 @@ def plan(spec: JobSpec) -> Plan:
             " GiB; raise sharding_degree, set tensor_parallel_degree (or auto), or enable "
             "activation_checkpointing"
         )
-    strategies = _strategies(work, cluster, degree, dist.gradient_accumulation_steps,
-                             layout) if work else []
+    strategies = _strategies(model, work, cluster, degree, dist.gradient_accumulation_steps,
+                             layout, device_gib=float(inst.gpu_memory_gib)) if work else []
     price = compute.price_per_hour or inst.price_per_hour(compute.target)
     return Plan(spec, inst, compute.instance_count, ppn, world, parallelism, backend, precision,
                 model, memory, strategies, price, notes,
@@ -197,13 +199,14 @@ def resolve_mixed_precision(requested: str, inst: instances.InstanceType) -> str
     return "bf16" if inst.peak_bf16_tflops > 0 else "fp16"
 
 
-def cluster_for(inst: instances.InstanceType, *, nodes: int,
-                processes_per_node: int) -> costmodel.Cluster:
+def cluster_for(inst: instances.InstanceType, *, nodes: int, processes_per_node: int,
+                backend: str | None = None) -> costmodel.Cluster:
     tflops = inst.peak_tflops if inst.has_gpu and inst.peak_tflops else instances.LOCAL_CPU_TFLOPS
     return costmodel.Cluster(
         num_nodes=nodes, gpus_per_node=processes_per_node, tflops_per_gpu=tflops,
         intra_gbytes_per_s=inst.intra_node_gbytes_per_s or 5.0,
         inter_gbits_per_s=inst.network_gbits_per_s or 40.0,
+        backend=backend or ("nccl" if inst.has_gpu else "gloo"),
     )
 
 
@@ -332,10 +335,12 @@ def _tensor_parallel_reason(spec, parallelism, model, work) -> str:
             f"the smallest tensor-parallel degree that fits is {parallelism.tp}")
 
 
-def _strategies(work, cluster, degree, accumulation, layout: Layout
-                ) -> list[costmodel.StepEstimate]:
-    """DDP, ZeRO-3 and MiCS at the chosen degree (flat and hierarchical where it differs), at
-    the plan's tensor-parallel layout."""
+def _strategies(model, work, cluster, degree, accumulation, layout: Layout, *,
+                device_gib: float) -> list[costmodel.StepEstimate]:
+    """DDP, ZeRO-3 and MiCS at the chosen degree (flat and hierarchical all-gather where it
+    differs, FSDP2's and the overlapped gradient sync where there are replicas), at the plan's
+    tensor-parallel layout, fastest first; those whose memory does not fit the device last,
+    without a step time."""
     tp = layout.tp
     dp = cluster.world_size // tp
     dp_per_node = max(1, cluster.gpus_per_node // tp)
@@ -347,11 +352,16 @@ def _strategies(work, cluster, degree, accumulation, layout: Layout
         configs.append((degree, False))
         if degree > dp_per_node and degree % dp_per_node == 0:
             configs.append((degree, True))
-    seen, out = set(), []
-    for d, hier in configs:
-        if (d, hier) not in seen:
-            seen.add((d, hier))
-            out.append(costmodel.estimate_step(work, cluster, sharding_degree=d,
-                                               accumulation=accumulation, hierarchical=hier,
-                                               tp=tp, tp_mode=layout.mode))
-    return out
+    out = []
+    for d, hier in dict.fromkeys(configs):
+        for sync in ("fsdp", "overlapped") if d < dp else ("fsdp",):
+            est = costmodel.estimate_step(work, cluster, sharding_degree=d,
+                                          accumulation=accumulation, hierarchical=hier,
+                                          tp=tp, tp_mode=layout.mode, gradient_sync=sync)
+            if device_gib:
+                mem = memory_estimate(work, layout, sharding_degree=d,
+                                      vocab_size=model.vocab_size, device_gib=device_gib)
+                est = costmodel.with_memory(est, memory_gib=mem.total_gib,
+                                            device_gib=mem.device_gib)
+            out.append(est)
+    return sorted(out, key=lambda s: (not s.fits, -(s.tokens_per_s or 0.0)))

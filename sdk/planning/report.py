@@ -76,15 +76,21 @@ def render_plan(plan: Plan) -> str:
     ]
     out = [table(rows)]
     if plan.strategies:
-        out.append("\nper optimizer step, per device (latency–bandwidth model, see docs):")
-        out.append(table([_strategy_row(s, plan) for s in plan.strategies],
-                         ["strategy", "degree", "intra-node", "inter-node", "step", "tokens/s"]))
+        out.append("\nper optimizer step and device, fastest first (latency–bandwidth model, see "
+                   "docs;\nexposed = communication compute does not hide; * = this job):")
+        out.append(table([_strategy_row(i, s, plan) for i, s in enumerate(plan.strategies, 1)],
+                         ["#", "strategy", "degree", "intra-node", "inter-node", "compute",
+                          "exposed comm", "(all-gather)", "step", "tokens/s"]))
     out += [f"note: {n}" for n in plan.notes]
     return "\n".join(out)
 
 
-def _strategy_row(est, plan: Plan) -> list[str]:
-    name = est.strategy + (" hier." if est.hierarchical else "")
-    chosen = est is plan.chosen
-    return [name + (" *" if chosen else ""), str(est.sharding_degree), _gb(est.intra_bytes),
-            _gb(est.inter_bytes), f"{est.step_s:.3f} s", f"{est.tokens_per_s:,.0f}"]
+def _strategy_row(rank: int, est, plan: Plan) -> list[str]:
+    name = est.label + (" *" if est is plan.chosen else "")
+    head = [str(rank) if est.fits else "-", name, str(est.sharding_degree), _gb(est.intra_bytes),
+            _gb(est.inter_bytes), f"{est.compute_s:.3f} s"]
+    if not est.fits:
+        return [*head, f"does not fit: {est.memory_gib:,.0f} of {est.device_gib:.0f} GiB", "",
+                "-", "-"]
+    return [*head, f"{est.exposed.total_s:.3f} s", f"{est.exposed.all_gather_s:.3f} s",
+            f"{est.step_s:.3f} s", f"{est.tokens_per_s:,.0f}"]

@@ -172,6 +172,14 @@ class Distribution(_Model):
         "the sequence; `auto` = on when tensor_parallel_degree is above 1.",
     )
 
+    gradient_sync: Literal[contract.GRADIENT_SYNC_SETTINGS] = Field(
+        "auto",
+        description="How replicas all-reduce gradients: `fsdp` = FSDP2's all-reduce per block "
+        "inside backward; `overlapped` = SDP-style: gradient shards go into equal fusion "
+        "buffers that a background communicator all-reduces (through host memory) while "
+        "backward goes on; `auto` = overlapped where the all-reduce crosses nodes.",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _translate_smp(cls, data: Any) -> Any:

@@ -75,6 +75,7 @@ FIELD_IN_REQUEST = {
     "distribution.backend": lambda r: hps(r)["dtrain_distribution"]["backend"],
     "distribution.gradient_accumulation_steps":
         lambda r: hps(r)["dtrain_distribution"]["gradient_accumulation_steps"],
+    "distribution.gradient_sync": lambda r: hps(r)["dtrain_distribution"]["gradient_sync"],
     "distribution.mixed_precision": lambda r: hps(r)["dtrain_distribution"]["mixed_precision"],
     "distribution.activation_checkpointing":
         lambda r: hps(r)["dtrain_distribution"]["activation_checkpointing"],

@@ -3,8 +3,10 @@
 Hop 1 runs on every micro-step: FSDP2 reduce-scatters gradients inside the partition group
 (fast, intra-node when the group fits a node) and keeps the sum of the shards. Hop 2, the
 all-reduce across replica groups, runs only on the accumulation boundary's backward
-(``set_requires_all_reduce(False)`` until then), so the slow cross-group traffic is paid once
-per optimizer step instead of once per micro-batch.
+(``set_requires_all_reduce(False)`` until then; with ``gradient_sync: overlapped`` the
+background communicator of :mod:`~dtrain.runtime.distributed.gradient_sync` fills its buffers only
+then), so the slow cross-group traffic is paid once per optimizer step instead of once per
+micro-batch.
 
 Loss scaling: FSDP2 averages gradients over the ``world_size`` data-parallel ranks, and sums the
 micro-steps of one optimizer step. Divide each micro-batch's loss by the number of micro-steps
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from dtrain.runtime.distributed import gradient_sync
 from torch.distributed.fsdp import FSDPModule
 
 
@@ -56,6 +59,7 @@ def set_sync_mode(model: torch.nn.Module, *, boundary: bool) -> None:
     if not isinstance(model, FSDPModule):
         return  # not sharded (one process): nothing to sync
     model.set_requires_all_reduce(boundary)
+    gradient_sync.set_boundary(model, boundary)  # the overlapped sync's all-reduce (hop 2)
     # FSDP2 finishes a backward's bookkeeping only on the last one; keep partial sums before.
     model.set_is_last_backward(boundary)
 

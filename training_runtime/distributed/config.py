@@ -1,7 +1,8 @@
 """Distribution settings the runtime reads: the ``distribution`` argument or ``DTRAIN_DISTRIBUTION``.
 
 Plain data with validation; no torch import, so the node agent can parse it cheaply. The degrees
-(``sharding_degree``, ``hierarchical_allgather``, ``tensor_parallel_*``, ``sequence_parallel``)
+(``sharding_degree``, ``hierarchical_allgather``, ``tensor_parallel_*``, ``sequence_parallel``,
+``gradient_sync``)
 are checked where they are turned into a plan,
 :func:`dtrain.core.parallelism.build_parallelism_plan`, the function the planner uses too.
 """
@@ -15,7 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from dtrain.core.contract import ATTENTION_KERNELS, BACKENDS, DISTRIBUTION_ENV, MIXED_PRECISIONS
+from dtrain.core.contract import (
+    ATTENTION_KERNELS,
+    BACKENDS,
+    DISTRIBUTION_ENV,
+    GRADIENT_SYNC_SETTINGS,
+    MIXED_PRECISIONS,
+)
 from dtrain.core.contract import DISTRIBUTION_DEFAULTS as _DEFAULTS
 from dtrain.core.parallelism import ParallelismPlan
 
@@ -36,6 +43,7 @@ class DistributionConfig:
     tensor_parallel_degree: int | str = _DEFAULTS["tensor_parallel_degree"]
     tensor_parallel_mode: str = _DEFAULTS["tensor_parallel_mode"]
     sequence_parallel: bool | str = _DEFAULTS["sequence_parallel"]
+    gradient_sync: str = _DEFAULTS["gradient_sync"]
     # the launcher's plan (dtrain plan printed it); None: built at run time from the above
     parallelism: ParallelismPlan | None = None
 
@@ -43,6 +51,7 @@ class DistributionConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _check_choice("attention", self.attention, ATTENTION_KERNELS)
+        _check_choice("gradient_sync", self.gradient_sync, GRADIENT_SYNC_SETTINGS)
         steps = self.gradient_accumulation_steps
         if not (isinstance(steps, int) and steps >= 1):
             raise ValueError(
@@ -62,7 +71,8 @@ class DistributionConfig:
                 "hierarchical_allgather": self.hierarchical_allgather,
                 "tensor_parallel_degree": self.tensor_parallel_degree,
                 "tensor_parallel_mode": self.tensor_parallel_mode,
-                "sequence_parallel": self.sequence_parallel}
+                "sequence_parallel": self.sequence_parallel,
+                "gradient_sync": self.gradient_sync}
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> DistributionConfig:

@@ -33,7 +33,7 @@ from dtrain.core import contract
 from dtrain.core.parallelism import GRID_AXES, ParallelismPlan, build_parallelism_plan
 from dtrain.core.tensor_parallel import ModelDims
 from dtrain.runtime import torch_private
-from dtrain.runtime.distributed import accumulation, comm_stats
+from dtrain.runtime.distributed import accumulation, comm_stats, gradient_sync
 from dtrain.runtime.distributed.collectives import HierarchyGroups, build_hierarchy_groups
 from dtrain.runtime.distributed.config import DistributionConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -96,6 +96,7 @@ class RuntimeContext:
     mesh: DeviceMesh | None = None
     _hierarchy: HierarchyGroups | None = field(default=None, repr=False)
     _override_logged: bool = field(default=False, repr=False)
+    _replica_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     rank = property(lambda self: self.facts.rank)
     local_rank = property(lambda self: self.facts.local_rank)
@@ -156,10 +157,11 @@ class RuntimeContext:
     @property
     def data_parallel_mesh(self) -> DeviceMesh:
         """The mesh FSDP2 shards over: ``dp_replicate × dp_shard``, or ``dp_shard`` alone when
-        there is one replica (a size-1 replicate axis would add a no-op all-reduce per layer)."""
+        there is one replica (a size-1 replicate axis would add a no-op all-reduce per layer) or
+        when the overlapped gradient sync all-reduces across replicas instead of FSDP2."""
         if self.mesh is None or self.plan is None:
             raise ValueError("no mesh yet; call dtrain.runtime.shard(model, ctx) first")
-        if self.plan.dp_replicate == 1:
+        if self.plan.dp_replicate == 1 or self.plan.gradient_sync == "overlapped":
             return self.mesh["dp_shard"]
         return self.mesh["dp_replicate", "dp_shard"]
 
@@ -198,6 +200,14 @@ class RuntimeContext:
         if self._hierarchy is None:
             self._hierarchy = build_hierarchy_groups(self.plan, rank=self.rank)
         return self._hierarchy
+
+    def replica_sync_group(self) -> dist.ProcessGroup:
+        """The gloo group the overlapped gradient sync all-reduces over (created once)."""
+        if self.plan is None or self.plan.gradient_sync != "overlapped":
+            raise ValueError("the parallelism plan does not use the overlapped gradient sync")
+        if self._replica_group is None:
+            self._replica_group = gradient_sync.build_replica_group(self.plan, rank=self.rank)
+        return self._replica_group
 
     def micro_step(self, model: torch.nn.Module, *, boundary: bool):
         """Context for one micro-step; see :mod:`dtrain.runtime.distributed.accumulation`."""

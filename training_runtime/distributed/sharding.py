@@ -7,14 +7,17 @@ the data-parallel axes (parameters become DTensors on ``dp × tp``, torchtitan's
 The plan's ``dp_shard`` mesh axis is a MiCS partition group: parameters, gradients
 and optimizer states are sharded inside it and replicated across groups. ``fully_shard`` is
 applied per transformer block, then on the root (torchtitan's order), so a block's parameters
-are gathered just before it runs and freed after.
+are gathered just before it runs and freed after. An untied output layer (``lm_head``) is a unit
+of its own, as in torchtitan, so its gradient is reduced first in backward, not last.
 
 * degree 1: every group has one rank, FSDP2 replicates only (DDP: one all-reduce per step);
 * degree = world size: one group, plain FSDP on the shard axis (ZeRO-3);
 * in between: HSDP = MiCS; when a group spans nodes, the hierarchical all-gather of
   :mod:`dtrain.runtime.distributed.collectives` replaces the flat one (``hierarchical_allgather``).
 
-Gradient sync with accumulation (2-hop) lives in :mod:`dtrain.runtime.distributed.accumulation`.
+Gradient sync with accumulation (2-hop) lives in :mod:`dtrain.runtime.distributed.accumulation`;
+with ``gradient_sync: overlapped`` FSDP2 shards over the partition group only and the replicas'
+all-reduce runs in the background (:mod:`dtrain.runtime.distributed.gradient_sync`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from dtrain.core.parallelism import ParallelismPlan
 from dtrain.core.tensor_parallel import ModelDims
 from dtrain.runtime import torch_private
+from dtrain.runtime.distributed import gradient_sync
 from dtrain.runtime.distributed.collectives import HierarchicalAllGather
 from dtrain.runtime.distributed.context import RuntimeContext
 from dtrain.runtime.distributed.tensor_parallel import apply_tensor_parallel
@@ -46,6 +50,7 @@ def shard(
     activation_checkpointing: bool | None = None,
     reshard_after_forward: bool = True,
     sharding_degree: int | None = None,
+    fusion_buffer_bytes: int = gradient_sync.DEFAULT_BUFFER_BYTES,
 ) -> nn.Module:
     """Shard ``model`` in place with MiCS and return it (an ``FSDPModule``).
 
@@ -54,6 +59,8 @@ def shard(
     ``mixed_precision`` / ``activation_checkpointing`` / ``sharding_degree`` default to the
     context's distribution settings. A model built on the meta device is materialised on
     ``ctx.device`` after sharding and initialised with its ``init_weights()``.
+    ``fusion_buffer_bytes`` sizes the overlapped gradient sync's buffers (``gradient_sync:
+    overlapped`` in the plan).
     """
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
     if ctx.plan.tp > 1:  # before checkpoint wrapping, which renames the modules a plan names
@@ -73,8 +80,14 @@ def shard(
     options = {"mesh": fsdp_mesh, "mp_policy": policy}
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+    head = output_head(model)
+    if head is not None:
+        # torchtitan's unit for the output layer: its gradient, first in backward, is reduced
+        # (and handed to the overlapped sync) while the blocks compute, not with the root's at
+        # the very end; backward needs it at once, so it stays gathered after forward.
+        fully_shard(head, reshard_after_forward=False, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
-    _configure_collectives(model, ctx)
+    _configure_collectives(model, ctx, fusion_buffer_bytes=fusion_buffer_bytes)
     _materialize_if_meta(model, ctx)
     return model
 
@@ -159,6 +172,19 @@ def _guess_blocks(model: nn.Module) -> list[nn.Module]:
     return list(blocks)
 
 
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's untied output layer (``lm_head``, as Hugging Face names it), or None."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module) or not any(p.requires_grad for p in head.parameters()):
+        return None
+    inside = {id(m) for m in head.modules()}
+    own = {id(p) for p in head.parameters()}
+    for module in model.modules():
+        if id(module) not in inside and own & {id(p) for p in module.parameters(recurse=False)}:
+            return None  # tied to the input embedding: one parameter cannot be in two units
+    return head
+
+
 def _contains(parent: nn.Module, module: nn.Module) -> bool:
     return any(m is module for m in parent.modules())
 
@@ -176,12 +202,17 @@ def apply_activation_checkpointing(model: nn.Module, blocks: list[nn.Module]) ->
     return wrapped
 
 
-def _configure_collectives(model: nn.Module, ctx: RuntimeContext) -> None:
+def _configure_collectives(model: nn.Module, ctx: RuntimeContext, *,
+                           fusion_buffer_bytes: int) -> None:
     fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if ctx.backend == "gloo":
+    overlapped = ctx.plan.gradient_sync == "overlapped"
+    if ctx.backend == "gloo" or overlapped:
         # gloo has no ReduceOp.AVG: reduce with SUM and let FSDP2 divide afterwards.
         for module in fsdp_modules:
             module.set_force_sum_reduction_for_comms(True)
+    if overlapped:  # FSDP2 averages over the partition group, gradient_sync over replicas
+        gradient_sync.attach(model, ctx.replica_sync_group(), device=ctx.device,
+                             buffer_bytes=fusion_buffer_bytes)
     if ctx.plan.hierarchical_allgather:
         comm = HierarchicalAllGather(ctx.hierarchy_groups())
         for module in fsdp_modules:

@@ -1,0 +1,85 @@
+"""The collectives a parallelism plan chooses (stdlib only): the hierarchical all-gather and the
+gradient sync. :func:`dtrain.core.parallelism.build_parallelism_plan` calls these once per plan;
+nothing else decides them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from dtrain.core.errors import ParallelismError
+
+if TYPE_CHECKING:
+    from dtrain.core.parallelism import ParallelismPlan
+
+# What ``distribution.gradient_sync`` resolves to in a plan (``auto`` is decided here).
+GRADIENT_SYNCS = ("fsdp", "overlapped")
+
+
+def hierarchical_setting(distribution: Mapping[str, Any]) -> tuple[Any, str]:
+    setting = distribution.get("hierarchical_allgather", "auto")
+    backend = distribution.get("backend", "auto")
+    field = "distribution.hierarchical_allgather"
+    if setting not in ("auto", True, False):
+        raise ParallelismError(field, f"{setting!r}: use auto, true or false")
+    if setting is True and backend == "nccl":
+        raise ParallelismError(
+            field, "true needs dtrain's collectives, but backend 'nccl' means stock NCCL "
+            "collectives only; set distribution.backend to 'auto' or drop the flag")
+    return setting, backend
+
+
+def hierarchical(plan: ParallelismPlan, setting: Any, backend: str) -> bool:
+    """MiCS's two-stage all-gather: only where a partition group spans whole nodes.
+
+    ``auto`` turns it on there with backend ``auto`` (``nccl``/``gloo`` ask for stock
+    collectives); ``true`` asks for it wherever a group spans nodes, so a group that spans
+    nodes without being made of whole nodes is refused here, before any machine starts.
+    """
+    field = "distribution.hierarchical_allgather"
+    if setting is False or not plan.shard_group_spans_nodes:
+        return False
+    if not plan.shard_group_whole_nodes:
+        if setting is True:
+            per_node = plan.devices_per_node // plan.tp
+            whole = [d for d in divisors(plan.dp_degree) if d % per_node == 0]
+            raise ParallelismError(
+                field, f"true needs partition groups of whole nodes, but sharding_degree "
+                f"{plan.dp_shard} is not a multiple of the {per_node} data-parallel ranks per "
+                f"node; use sharding_degree {short_list(whole)}, or hierarchical_allgather "
+                "auto")
+        return False
+    return setting is True or backend == "auto"
+
+
+def gradient_sync(plan: ParallelismPlan, setting: Any, backend: str) -> str:
+    """How the replicas all-reduce gradients: ``overlapped`` (SDP-style background
+    communicator) or ``fsdp`` (FSDP2's all-reduce per block inside backward).
+
+    ``auto`` overlaps where the all-reduce crosses nodes, the traffic it hides, with backend
+    ``auto`` or ``gloo`` (``nccl`` asks for stock collectives). With one replica there is no
+    all-reduce, so any setting resolves to ``fsdp``.
+    """
+    field = "distribution.gradient_sync"
+    if setting not in ("auto", *GRADIENT_SYNCS):
+        raise ParallelismError(field, f"{setting!r}: use auto, fsdp or overlapped")
+    if setting == "overlapped" and backend == "nccl":
+        raise ParallelismError(
+            field, "overlapped needs dtrain's background communicator, but backend 'nccl' "
+            "means stock NCCL collectives only; set distribution.backend to 'auto' or use "
+            "gradient_sync fsdp")
+    if plan.dp_replicate == 1:
+        return "fsdp"
+    if setting == "auto":
+        return "overlapped" if plan.replica_group_spans_nodes and backend != "nccl" else "fsdp"
+    return setting
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def short_list(values: list[int]) -> str:
+    shown = values if len(values) <= 12 else [*values[:6], "…", *values[-3:]]
+    return ", ".join(str(v) for v in shown) or "none"

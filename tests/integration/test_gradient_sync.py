@@ -1,0 +1,184 @@
+"""The overlapped gradient sync on real gloo groups: FSDP2's own gradients, computed otherwise.
+
+Four CPU processes pose as 2 hosts × 2 workers, spawned once for the module. Each worker trains
+the same model twice per configuration from the same start — ``gradient_sync: fsdp`` (FSDP2's
+HSDP all-reduce per block) and ``overlapped`` (fusion buffers all-reduced by the background
+communicator) — and records gradients, parameters, buffer traffic and the byte counters, which
+the tests below judge.
+
+    pytest tests/integration/test_gradient_sync.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+
+import pytest
+import torch
+from test_mics_sharding import SEQ, VOCAB, TinyLM, lm_loss
+from torch.distributed.fsdp import FSDPModule
+
+WORLD, PER_HOST, STEPS, MICRO_BATCH = 4, 2, 3, 2
+BUFFER_BYTES = 4096  # 1024 fp32 elements: several buffers per step, shards split across them
+# (sharding_degree, gradient_accumulation_steps)
+CONFIGS = [(1, 1), (1, 4), (2, 1), (2, 4)]
+TOLERANCE = 1e-6
+
+
+class HeadLM(TinyLM):
+    """TinyLM whose output layer is ``lm_head``: ``shard`` makes it an FSDP unit of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = self._modules.pop("head")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train(rt, degree: int, accum: int, sync: str) -> dict:
+    from dtrain.runtime.distributed import gradient_sync
+
+    ctx = rt.init(distribution={"sharding_degree": degree, "gradient_accumulation_steps": accum,
+                                "gradient_sync": sync})
+    torch.manual_seed(0)
+    model = rt.shard(HeadLM(), ctx, fusion_buffer_bytes=BUFFER_BYTES)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    attached = gradient_sync.attached(model)
+    out = {"plan_sync": ctx.plan.gradient_sync, "attached": attached is not None,
+           "head_unit": isinstance(model.lm_head, FSDPModule),
+           "fsdp_mesh": ctx.data_parallel_mesh.mesh_dim_names, "grads": [], "stats": [],
+           "history": [], "sent_before_last_shard": [], "per_micro": []}
+    if attached is not None:
+        # runs after the sync's own hook: how many buffers the communicator had been handed
+        # when each shard arrived (the root's shards arrive last, at the end of backward)
+        seen: list[int] = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda _p: seen.append(len(attached.communicator.history)))
+    data = torch.Generator().manual_seed(1234)
+    for _ in range(STEPS):
+        batch = torch.randint(0, VOCAB, (accum, WORLD, MICRO_BATCH, SEQ + 1), generator=data)
+        ctx.comm_stats.reset()
+        if attached is not None:
+            seen.clear()
+            before = len(attached.communicator.history)
+        for micro in ctx.accumulate(model, [batch[m, ctx.dp_rank] for m in range(accum)]):
+            micro.scale(lm_loss(model, micro.batch)).backward()
+            if attached is not None:
+                out["per_micro"].append(len(attached.communicator.history) - before)
+        out["stats"].append(ctx.comm_stats.snapshot())
+        out["grads"].append([_full(p.grad).clone() for p in model.parameters()])
+        if attached is not None:
+            out["history"].append(attached.communicator.history[before:])
+            out["sent_before_last_shard"].append(seen[-1] - before)
+        opt.step()
+        opt.zero_grad()
+    out["params"] = [_full(p.detach()).clone() for p in model.parameters()]
+    return out
+
+
+def _worker(rank: int, port: int, result_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank % PER_HOST), WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(PER_HOST), GROUP_RANK=str(rank // PER_HOST),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    torch.set_num_threads(1)
+    results: dict = {}
+    try:
+        import dtrain.runtime as rt
+
+        for degree, accum in CONFIGS:
+            for sync in ("fsdp", "overlapped"):
+                results[(degree, accum, sync)] = _train(rt, degree, accum, sync)
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
+        results["error"] = traceback.format_exc()
+    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    import torch.multiprocessing as mp
+    from torch.distributed import TCPStore
+
+    result_dir = tmp_path_factory.mktemp("gradient_sync")
+    store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
+    mp.start_processes(_worker, args=(store.port, str(result_dir)), nprocs=WORLD,
+                       start_method="spawn")
+    per_rank = []
+    for rank in range(WORLD):
+        with open(result_dir / f"rank{rank}.pkl", "rb") as f:
+            per_rank.append(pickle.load(f))
+    for rank, res in enumerate(per_rank):
+        assert "error" not in res, f"rank {rank} failed:\n{res['error']}"
+    return per_rank
+
+
+pytestmark = pytest.mark.slow
+IDS = [f"degree{d}-accum{a}" for d, a in CONFIGS]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_gradients_and_parameters_equal_fsdp2_s_own_sync_within_1e_6(results, config):
+    for res in results:
+        fsdp, overlapped = res[(*config, "fsdp")], res[(*config, "overlapped")]
+        for step_fsdp, step_overlapped in zip(fsdp["grads"], overlapped["grads"]):
+            for a, b in zip(step_overlapped, step_fsdp):
+                torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=TOLERANCE)
+        for a, b in zip(overlapped["params"], fsdp["params"]):
+            torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_fsdp2_shards_over_the_partition_group_only_when_overlapped(results, config):
+    fsdp, overlapped = results[0][(*config, "fsdp")], results[0][(*config, "overlapped")]
+    assert (fsdp["plan_sync"], fsdp["attached"]) == ("fsdp", False)
+    assert (overlapped["plan_sync"], overlapped["attached"]) == ("overlapped", True)
+    assert fsdp["fsdp_mesh"] == ("dp_replicate", "dp_shard")
+    assert overlapped["fsdp_mesh"] == ("dp_shard",)
+    assert fsdp["head_unit"] and overlapped["head_unit"]  # the untied lm_head is its own unit
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_buffers_have_one_size_and_go_out_while_backward_continues(results, config):
+    elements = BUFFER_BYTES // 4
+    histories = [res[(*config, "overlapped")]["history"] for res in results]
+    for history in histories[0]:
+        assert len(history) > 2 and set(history[:-1]) == {elements}
+        assert 0 < history[-1] <= elements  # the last one is sent partly filled
+    # every rank fills the same buffers: equal sizes everywhere (replica peers must match)
+    assert all(h == histories[0] for h in histories)
+    for res in results:
+        # buffers were handed to the communicator before the last shard arrived
+        assert min(res[(*config, "overlapped")]["sent_before_last_shard"]) > 0
+
+
+@pytest.mark.parametrize("degree", [1, 2])
+def test_with_accumulation_the_buffers_fill_on_the_boundary_micro_step_only(results, degree):
+    per_micro = results[0][(degree, 4, "overlapped")]["per_micro"]
+    assert len(per_micro) == 4 * STEPS
+    for step in range(STEPS):
+        window = per_micro[4 * step:4 * step + 4]
+        assert window[:3] == [0, 0, 0] and window[3] > 0
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_the_same_bytes_cross_hosts_as_fsdp2_s_all_reduce(results, config):
+    for res in results:
+        fsdp = res[(*config, "fsdp")]["stats"]
+        overlapped = res[(*config, "overlapped")]["stats"]
+        for a, b in zip(overlapped, fsdp):
+            assert a["all_reduce"]["inter_bytes"] == pytest.approx(b["all_reduce"]["inter_bytes"])
+            assert a["all_reduce"]["inter_bytes"] > 0
+            assert a["reduce_scatter"] == b["reduce_scatter"]
