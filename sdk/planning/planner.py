@@ -307,7 +307,8 @@ def _parallelism(spec, model, work, notes) -> ParallelismPlan | None:
             num_parameters=model.num_parameters if known else None,
             device_memory_bytes=inst.gpu_memory_gib * 2**30 if known else None,
             other_bytes_per_device=(_activation_bytes(model, work)
-                                    + _unsharded_bytes(model, work)) if known else 0.0)
+                                    + _unsharded_bytes(model, work)) if known else 0.0,
+            num_blocks=model.num_layers if model else None)
     except ParallelismError as exc:
         raise SpecError(str(exc)) from None
     if result is None:
