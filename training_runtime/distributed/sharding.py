@@ -1,4 +1,8 @@
-"""``dtrain.runtime.shard()``: tensor parallelism, then MiCS sharded data parallelism on FSDP2.
+"""``dtrain.runtime.shard()``: [pipeline stages], tensor parallelism, then MiCS sharded data
+parallelism on FSDP2.
+
+With a ``pp`` axis in the plan, the model is first cut into pipeline stages
+(:mod:`dtrain.runtime.distributed.pipeline`) and each stage goes through the steps below.
 
 With a ``tp`` axis in the plan, the model is first split by its family's tensor-parallel plan
 (:mod:`dtrain.runtime.distributed.tensor_parallel`), then MiCS shards what each rank holds over
@@ -42,38 +46,61 @@ def shard(
     block_classes: Iterable[type[nn.Module]] | None = None,
     mixed_precision: str | None = None,
     activation_checkpointing: bool | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     sharding_degree: int | None = None,
+    pipeline_sample: tuple[int, int] | None = None,
 ) -> nn.Module:
-    """Shard ``model`` in place with MiCS and return it (an ``FSDPModule``).
+    """Shard ``model`` in place with MiCS and return it (an ``FSDPModule``); with a ``pp`` axis
+    in the plan, return this rank's pipeline stages instead (a
+    :class:`~dtrain.runtime.distributed.pipeline.PipelineModel`, driven by its ``step``).
 
     ``block_classes`` default to the classes named in the model's ``_no_split_modules``;
     ``mixed_precision`` / ``activation_checkpointing`` / ``sharding_degree`` default to the
-    context's distribution settings. A model built on the meta device is materialised on
-    ``ctx.device`` after sharding and initialised with its ``init_weights()``.
+    context's distribution settings. ``reshard_after_forward`` defaults to true, and to false
+    under pipelining (:mod:`dtrain.runtime.distributed.pipeline` says why).
+    ``pipeline_sample`` (sequences, tokens per micro-batch) is what automatic partitioning
+    measures. A model built on the meta device is materialised on ``ctx.device`` after sharding
+    and initialised with its ``init_weights()``.
     """
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
+    precision = mixed_precision or ctx.config.mixed_precision
+    options = {
+        "policy": build_mixed_precision_policy(precision, device=ctx.device),
+        "checkpointing": (ctx.config.activation_checkpointing if activation_checkpointing is None
+                          else activation_checkpointing),
+    }
+    if ctx.plan.pp > 1:
+        from dtrain.runtime.distributed.pipeline import build_pipeline, reshard_after_forward_for
+
+        reshard = reshard_after_forward_for(ctx.plan.pipeline_schedule, reshard_after_forward)
+        return build_pipeline(
+            model, ctx, budget_bytes=device_memory_bytes(ctx),
+            compute_bytes=(options["policy"].param_dtype or torch.float32).itemsize,
+            sample_shape=pipeline_sample,
+            shard_stage=lambda stage: _shard_part(stage, ctx, blocks=[
+                stage.get_submodule(path) for path in stage.block_paths],
+                reshard_after_forward=reshard, **options))
+    _shard_part(model, ctx, blocks=find_blocks(model, block_classes),
+                reshard_after_forward=reshard_after_forward is not False, **options)
+    return model
+
+
+def _shard_part(model: nn.Module, ctx: RuntimeContext, *, blocks: list[nn.Module],
+                policy: MixedPrecisionPolicy, checkpointing: bool,
+                reshard_after_forward: bool) -> None:
+    """Tensor parallelism, activation checkpointing, then ``fully_shard`` per block and on
+    ``model`` (a whole model, or one pipeline stage)."""
     if ctx.plan.tp > 1:  # before checkpoint wrapping, which renames the modules a plan names
         apply_tensor_parallel(model, ctx.tensor_parallel_mesh, ctx.plan)
-    fsdp_mesh = ctx.data_parallel_mesh
-    policy = build_mixed_precision_policy(
-        mixed_precision or ctx.config.mixed_precision, device=ctx.device
-    )
-    checkpointing = (
-        ctx.config.activation_checkpointing
-        if activation_checkpointing is None
-        else activation_checkpointing
-    )
-    blocks = find_blocks(model, block_classes)
     if checkpointing:
         blocks = apply_activation_checkpointing(model, blocks)
-    options = {"mesh": fsdp_mesh, "mp_policy": policy}
+    options = {"mesh": ctx.data_parallel_mesh, "mp_policy": policy,
+               "reshard_after_forward": reshard_after_forward}
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     _configure_collectives(model, ctx)
     _materialize_if_meta(model, ctx)
-    return model
 
 
 def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
@@ -85,7 +112,8 @@ def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
     plan = ctx.build_plan(sharding_degree=override,
                           num_parameters=sum(p.numel() for p in model.parameters()),
                           device_memory_bytes=device_memory_bytes(ctx),
-                          model_dims=ModelDims.from_hf_config(config()) if config else None)
+                          model_dims=ModelDims.from_hf_config(config()) if config else None,
+                          num_blocks=len(find_blocks(model, None)) if config else None)
     assert plan is not None  # auto with a parameter count and a memory size always resolves
     return plan
 
