@@ -90,7 +90,9 @@ def shape_problem(tp: int, mode: str, dims: ModelDims, *, allowed: list[int]) ->
 
 
 def _how(tp: int, mode: str) -> str:
-    return "(1-D splits it tp ways)" if mode == "1d" else f"(2-D splits it {split_ways(tp, mode)} ways)"
+    ways = split_ways(tp, mode)
+    return (f"(1-D splits it {ways} ways)" if mode == "1d"
+            else f"(2-D splits it {ways} ways on a {ways} × {ways} grid)")
 
 
 def candidate_degrees(devices_per_node: int, mode: str, dims: ModelDims | None) -> list[int]:

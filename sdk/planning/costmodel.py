@@ -21,10 +21,19 @@ optimizer step of ``A`` micro-batches:
 * Step time = (A-1) · max(compute, micro comm) + max(compute, micro comm + boundary
   all-reduce): FSDP overlaps collectives with compute, and the replica all-reduce runs during
   the last micro-batch's backward, unit by unit.
+* Tensor parallelism over ``t`` ranks (inside a node) divides each rank's compute and its FSDP
+  bytes by ``t`` (data-parallel groups are ``t`` ranks apart) and adds its own traffic, which sits
+  between a layer's products and so adds to compute instead of overlapping it: in 1-D, four
+  all-reduces of the layer's ``b·s·h`` activations per layer (forward and backward of attention
+  and MLP; with sequence parallelism the same bytes as reduce-scatters and all-gathers), plus
+  two for the embedding and the head; in 2-D (``q × q``), per linear layer ``in → out``, SUMMA's
+  broadcasts and reduces of ``3·q`` activation blocks (``b·s·in/q²``) and ``3·q`` weight blocks
+  (``in·out/q²``) over ``q`` ranks.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from dtrain.core.flops import flops_per_token
@@ -59,6 +68,7 @@ class Workload:
     micro_batch_size: int
     compute_bytes: int = 2  # bytes per parameter element in the all-gather (bf16 = 2)
     activation_checkpointing: bool = False
+    vocab_size: int = 0  # the LM head's width (tensor-parallel traffic of the head)
 
 
 @dataclass
@@ -87,6 +97,8 @@ class StepEstimate:
     tokens_per_s: float
     intra_bytes: float
     inter_bytes: float
+    tensor_parallel: int = 1
+    tp_bytes: float = 0.0  # of intra_bytes: tensor parallelism's, per device and step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,16 +150,41 @@ def compute_seconds(work: Workload, cluster: Cluster) -> float:
     return flops / (cluster.tflops_per_gpu * 1e12 * cluster.efficiency)
 
 
+def tensor_parallel_traffic(work: Workload, cluster: Cluster, *, tp: int,
+                            mode: str = "1d") -> Traffic:
+    """One device's tensor-parallel traffic for one micro-batch (module docstring)."""
+    if tp <= 1:
+        return Traffic()
+    tokens = work.seq_len * work.micro_batch_size
+    h, size = work.hidden_size, work.compute_bytes
+    out = Traffic()
+    if mode == "1d":
+        one = ring(tokens * h * size, ranks=tp, nodes=1, per_node=tp, cluster=cluster, factor=2)
+        out.add(one, 4 * work.num_layers + 2)
+        return out
+    q = math.isqrt(tp)
+    linears = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)] * work.num_layers
+    linears.append((h, work.vocab_size))
+    for n_in, n_out in linears:
+        volume = 3 * (q - 1) * (tokens * n_in + n_in * n_out) / q**2 * size
+        calls = 6 * q
+        out.add(Traffic(volume, 0.0, volume / (cluster.intra_gbytes_per_s * 1e9)
+                        + calls * (q - 1) * cluster.latency_s, calls))
+    return out
+
+
 def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
-                  accumulation: int = 1, hierarchical: bool = False) -> StepEstimate:
-    """Predict one optimizer step of FSDP2/MiCS at ``sharding_degree``."""
+                  accumulation: int = 1, hierarchical: bool = False, tp: int = 1,
+                  tp_mode: str = "1d") -> StepEstimate:
+    """Predict one optimizer step of FSDP2/MiCS at ``sharding_degree`` over ``tp``-way
+    tensor-parallel ranks."""
     world = cluster.world_size
     degree = sharding_degree
     gpn = cluster.gpus_per_node
     units = work.num_layers + 1
-    params = work.num_parameters * work.compute_bytes / units  # one unit's all-gather
-    grads = work.num_parameters * GRAD_REDUCE_BYTES / units
-    nodes, per_node = group_layout(degree, stride=1, gpus_per_node=gpn)
+    params = work.num_parameters * work.compute_bytes / units / tp  # one unit's all-gather
+    grads = work.num_parameters * GRAD_REDUCE_BYTES / units / tp
+    nodes, per_node = group_layout(degree, stride=tp, gpus_per_node=gpn)
     shape = {"ranks": degree, "nodes": nodes, "per_node": per_node, "cluster": cluster}
 
     micro = Traffic()
@@ -156,21 +193,25 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
                   else ring(params, **shape))
         micro.add(gather, 2 * units)
         micro.add(ring(grads, **shape), units)
-    replicas = world // degree
-    r_nodes, r_per_node = group_layout(replicas, stride=degree, gpus_per_node=gpn)
+    replicas = world // (degree * tp)
+    r_nodes, r_per_node = group_layout(replicas, stride=degree * tp, gpus_per_node=gpn)
     boundary = Traffic()
     boundary.add(ring(grads / degree, ranks=replicas, nodes=r_nodes, per_node=r_per_node,
                       cluster=cluster, factor=2), units)
 
-    compute = compute_seconds(work, cluster)
+    tp_traffic = tensor_parallel_traffic(work, cluster, tp=tp, mode=tp_mode)
+    compute = compute_seconds(work, cluster) / tp + tp_traffic.seconds
     step = (accumulation - 1) * max(compute, micro.seconds) + max(
         compute, micro.seconds + boundary.seconds)
-    tokens = accumulation * work.seq_len * work.micro_batch_size * world
-    strategy = "DDP" if degree == 1 else "ZeRO-3" if degree == world else "MiCS"
+    tokens = accumulation * work.seq_len * work.micro_batch_size * world // tp
+    dp = world // tp
+    strategy = "DDP" if degree == 1 else "ZeRO-3" if degree == dp else "MiCS"
     return StepEstimate(
         strategy=strategy, sharding_degree=degree, hierarchical=hierarchical and nodes > 1,
         compute_s=accumulation * compute, micro_comm=micro, boundary_comm=boundary,
         step_s=step, tokens_per_s=tokens / step if step else 0.0,
-        intra_bytes=accumulation * micro.intra_bytes + boundary.intra_bytes,
+        intra_bytes=accumulation * (micro.intra_bytes + tp_traffic.intra_bytes)
+        + boundary.intra_bytes,
         inter_bytes=accumulation * micro.inter_bytes + boundary.inter_bytes,
+        tensor_parallel=tp, tp_bytes=accumulation * tp_traffic.intra_bytes,
     )

@@ -13,13 +13,11 @@ from typing import Any
 
 from dtrain.core import instances, presets
 from dtrain.core.errors import SpecError
-from dtrain.core.parallelism import (
-    ParallelismError,
-    ParallelismPlan,
-    build_parallelism_plan,
-    model_state_bytes_per_gpu,
-)
+from dtrain.core.parallelism import ParallelismError, ParallelismPlan, build_parallelism_plan
+from dtrain.core.sizing import DEFAULT_HEADROOM
+from dtrain.core.tensor_parallel import ModelDims
 from dtrain.planning import costmodel
+from dtrain.planning.memory import Layout, MemoryEstimate, memory_estimate, other_bytes
 from dtrain.spec.model import JobSpec
 
 # hyperparameter names the planner reads the model's shape from (first one present wins)
@@ -29,17 +27,11 @@ _SHAPE_KEYS = {
     "vocab_size": ("vocab_size",),
     "seq_len": ("seq_len", "sequence_length", "max_seq_length", "max_context_width"),
     "micro_batch_size": ("micro_batch_size", "train_batch_size", "batch_size"),
+    "num_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "intermediate_size": ("intermediate_size", "n_inner"),
 }
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_MICRO_BATCH = 1
-# Bytes per token per layer of saved activations in half precision, as dtrain's layers save them
-# with a flash kernel: 8 hidden-sized tensors (block input, both layer-norm outputs, q, k, v, the
-# attention output, the second residual input) and the MLP's 4h pre-activation, at 2 bytes each.
-# Korthikanti et al. 2022 count 34 for Megatron's layers; the difference is their dropout masks
-# and the activation output, which dtrain's MLPs recompute (tests/unit/test_models_memory.py).
-ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN = 24
-
-
 @dataclass
 class ModelShape:
     source: str
@@ -49,18 +41,16 @@ class ModelShape:
     vocab_size: int
     seq_len: int
     micro_batch_size: int
-
-
-@dataclass
-class MemoryEstimate:
-    model_state_gib: float
-    unsharded_layers_gib: float
-    activation_gib: float
-    device_gib: float
+    num_heads: int | None = None
+    intermediate_size: int | None = None
 
     @property
-    def total_gib(self) -> float:
-        return self.model_state_gib + self.unsharded_layers_gib + self.activation_gib
+    def dims(self) -> ModelDims | None:
+        """What tensor parallelism splits; None when the heads are not known."""
+        if not self.num_heads:
+            return None
+        return ModelDims(self.num_heads, self.hidden_size,
+                         self.intermediate_size or 4 * self.hidden_size, self.vocab_size)
 
 
 @dataclass
@@ -78,6 +68,7 @@ class Plan:
     strategies: list[costmodel.StepEstimate]
     price_per_hour: float | None  # one instance
     notes: list[str] = field(default_factory=list)
+    tensor_parallel_reason: str = ""  # why this tensor-parallel layout, for dtrain plan
 
     @property
     def sharding_degree(self) -> int | None:
@@ -107,8 +98,20 @@ class Plan:
     @property
     def chosen(self) -> costmodel.StepEstimate | None:
         """The estimate for the configuration this job will run."""
+        tp = self.parallelism.tp if self.parallelism else 1
         return next((s for s in self.strategies if s.sharding_degree == self.sharding_degree
-                     and s.hierarchical == self.hierarchical_allgather), None)
+                     and s.hierarchical == self.hierarchical_allgather
+                     and s.tensor_parallel == tp), None)
+
+    def tensor_parallel_summary(self) -> dict[str, Any] | None:
+        """The tensor-parallel layout, why, and its bytes per step per device."""
+        p = self.parallelism
+        if p is None:
+            return None
+        chosen = self.chosen
+        return {"degree": p.tp, "mode": p.tp_mode, "sequence_parallel": p.sequence_parallel,
+                "layout": p.tensor_parallel_layout, "reason": self.tensor_parallel_reason,
+                "bytes_per_step_per_device": chosen.tp_bytes if chosen else None}
 
     def runtime_distribution(self) -> dict[str, Any]:
         """The resolved distribution the runtime reads (``DTRAIN_DISTRIBUTION``).
@@ -133,6 +136,7 @@ class Plan:
             "world_size": self.world_size,
             "parallelism": self.parallelism.to_dict() if self.parallelism else None,
             "partition_group_within_node": self.group_within_node,
+            "tensor_parallel": self.tensor_parallel_summary(),
             "distribution": self.runtime_distribution(),
             "model": asdict(self.model) if self.model else None,
             "memory_per_device_gib": (
@@ -168,17 +172,21 @@ def plan(spec: JobSpec) -> Plan:
 
     parallelism = _parallelism(spec, model, work, notes)
     degree = parallelism.dp_shard if parallelism else None
-    memory = memory_estimate(model, work, inst, degree) if model and degree else None
+    layout = _layout(parallelism)
+    memory = memory_estimate(work, layout, sharding_degree=degree, vocab_size=model.vocab_size,
+                             device_gib=float(inst.gpu_memory_gib)) if model and degree else None
     if memory and memory.device_gib and memory.total_gib > memory.device_gib:
         notes.append(
             f"estimated {memory.total_gib:.1f} GiB per device exceeds its {memory.device_gib:.0f}"
-            " GiB; raise sharding_degree or enable activation_checkpointing"
+            " GiB; raise sharding_degree, set tensor_parallel_degree (or auto), or enable "
+            "activation_checkpointing"
         )
-    strategies = _strategies(work, cluster, degree, dist.gradient_accumulation_steps) \
-        if work else []
+    strategies = _strategies(work, cluster, degree, dist.gradient_accumulation_steps,
+                             layout) if work else []
     price = compute.price_per_hour or inst.price_per_hour(compute.target)
     return Plan(spec, inst, compute.instance_count, ppn, world, parallelism, backend, precision,
-                model, memory, strategies, price, notes)
+                model, memory, strategies, price, notes,
+                tensor_parallel_reason=_tensor_parallel_reason(spec, parallelism, model, work))
 
 
 def resolve_mixed_precision(requested: str, inst: instances.InstanceType) -> str:
@@ -205,6 +213,7 @@ def workload(model: ModelShape, precision: str, checkpointing: bool) -> costmode
         hidden_size=model.hidden_size, seq_len=model.seq_len,
         micro_batch_size=model.micro_batch_size,
         compute_bytes=4 if precision == "fp32" else 2, activation_checkpointing=checkpointing,
+        vocab_size=model.vocab_size,
     )
 
 
@@ -234,6 +243,9 @@ def model_shape(hps: dict[str, Any]) -> ModelShape | None:
             seq_len=int(shape["seq_len"] or config.get("max_position_embeddings")
                         or DEFAULT_SEQ_LEN),
             micro_batch_size=int(shape["micro_batch_size"] or DEFAULT_MICRO_BATCH),
+            num_heads=int(shape["num_heads"]) if shape["num_heads"] else None,
+            intermediate_size=(int(shape["intermediate_size"]) if shape["intermediate_size"]
+                               else None),
         )
     except (TypeError, ValueError):
         raise SpecError(
@@ -267,71 +279,80 @@ def _hidden_from_count(num: int) -> int:
     return max(64, round((num / 1.2e-3) ** (1 / 3) / 64) * 64)
 
 
-def memory_estimate(model: ModelShape, work: costmodel.Workload, inst: instances.InstanceType,
-                    degree: int) -> MemoryEstimate:
-    gib = 2**30
-    states = model_state_bytes_per_gpu(model.num_parameters, degree)
-    return MemoryEstimate(
-        model_state_gib=states / gib,
-        unsharded_layers_gib=_unsharded_bytes(model, work) / gib,
-        activation_gib=_activation_bytes(model, work) / gib,
-        device_gib=float(inst.gpu_memory_gib),
-    )
-
-
-def _unsharded_bytes(model: ModelShape, work: costmodel.Workload) -> float:
-    # FSDP2 holds the block being computed and the prefetched next one unsharded.
-    return 2 * model.num_parameters / (model.num_layers + 1) * work.compute_bytes
-
-
-def _activation_bytes(model: ModelShape, work: costmodel.Workload) -> float:
-    tokens = model.seq_len * model.micro_batch_size
-    scale = work.compute_bytes / 2
-    per_layer = ACTIVATION_BYTES_PER_TOKEN_PER_HIDDEN * model.hidden_size * tokens * scale
-    if work.activation_checkpointing:
-        layers = model.num_layers * 2 * model.hidden_size * tokens * scale + per_layer
-    else:
-        layers = model.num_layers * per_layer
-    logits = tokens * model.vocab_size * (work.compute_bytes + 4)  # logits + fp32 loss
-    return layers + logits
-
-
 def _parallelism(spec, model, work, notes) -> ParallelismPlan | None:
     """The parallelism plan (``dtrain.core.parallelism``), with ``auto`` sized by the model."""
     inst = spec.compute.instance
+    dist = spec.distribution
     known = model is not None and inst.gpu_memory_gib
+    sequence_parallel = dist.sequence_parallel is not False
+
+    def beyond_states(tp: int) -> float:
+        layout = Layout(tp, dist.tensor_parallel_mode, sequence_parallel and tp > 1)
+        return other_bytes(work, layout, vocab_size=model.vocab_size)
+
     try:
         result = build_parallelism_plan(
-            spec.distribution.model_dump(mode="json"), world_size=spec.compute.world_size,
+            dist.model_dump(mode="json"), world_size=spec.compute.world_size,
             devices_per_node=spec.compute.resolved_processes_per_instance,
             num_parameters=model.num_parameters if known else None,
             device_memory_bytes=inst.gpu_memory_gib * 2**30 if known else None,
-            other_bytes_per_device=(_activation_bytes(model, work)
-                                    + _unsharded_bytes(model, work)) if known else 0.0,
+            other_bytes_per_device=beyond_states if known else 0.0,
+            model_dims=model.dims if model else None,
             num_blocks=model.num_layers if model else None)
     except ParallelismError as exc:
         raise SpecError(str(exc)) from None
     if result is None:
-        notes.append("sharding_degree auto: resolved at run time from the model's parameter count"
-                     " (give hyperparameters.model or num_parameters to plan it here)")
+        notes.append("sharding_degree / tensor_parallel_degree auto: resolved at run time from "
+                     "the model's parameter count (give hyperparameters.model or num_parameters "
+                     "to plan it here)")
     return result
 
 
-def _strategies(work, cluster, degree, accumulation) -> list[costmodel.StepEstimate]:
-    """DDP, ZeRO-3 and MiCS at the chosen degree (flat and hierarchical where it differs)."""
-    world = cluster.world_size
-    configs = [(1, False), (world, False)]
+def _layout(parallelism: ParallelismPlan | None) -> Layout:
+    if parallelism is None:
+        return Layout()
+    return Layout(parallelism.tp, parallelism.tp_mode, parallelism.sequence_parallel)
+
+
+def _tensor_parallel_reason(spec, parallelism, model, work) -> str:
+    """Why the plan has this tensor-parallel layout (``dtrain plan`` prints it)."""
+    dist = spec.distribution
+    if parallelism is None:
+        return "resolved at run time"
+    if dist.tensor_parallel_degree != "auto":
+        return ("off: tensor_parallel_degree 1" if parallelism.tp == 1
+                else "as set in distribution.tensor_parallel_degree")
+    usable = spec.compute.instance.gpu_memory_gib * (1 - DEFAULT_HEADROOM)
+    if parallelism.tp == 1:
+        return f"auto: MiCS alone fits in the {usable:.0f} GiB usable per device"
+    alone = memory_estimate(work, Layout(), sharding_degree=parallelism.dp_degree * parallelism.tp,
+                            vocab_size=model.vocab_size, device_gib=0.0)
+    return (f"auto: MiCS alone needs {alone.total_gib:.1f} GiB per device even fully sharded "
+            f"(states {alone.model_state_gib:.1f}, layer {alone.unsharded_layers_gib:.1f}, "
+            f"activations {alone.activation_gib:.1f}), more than the {usable:.0f} GiB usable; "
+            f"the smallest tensor-parallel degree that fits is {parallelism.tp}")
+
+
+def _strategies(work, cluster, degree, accumulation, layout: Layout
+                ) -> list[costmodel.StepEstimate]:
+    """DDP, ZeRO-3 and MiCS at the chosen degree (flat and hierarchical where it differs), at
+    the plan's tensor-parallel layout."""
+    tp = layout.tp
+    dp = cluster.world_size // tp
+    dp_per_node = max(1, cluster.gpus_per_node // tp)
+    configs = [(1, False), (dp, False)]
     # the hierarchical all-gather runs only on groups of whole nodes (dtrain.core.parallelism)
-    if world > cluster.gpus_per_node:
-        configs.append((world, True))
-    if degree and degree not in (1, world):
+    if dp > dp_per_node:
+        configs.append((dp, True))
+    if degree and degree not in (1, dp):
         configs.append((degree, False))
-        if degree > cluster.gpus_per_node and degree % cluster.gpus_per_node == 0:
+        if degree > dp_per_node and degree % dp_per_node == 0:
             configs.append((degree, True))
     seen, out = set(), []
     for d, hier in configs:
         if (d, hier) not in seen:
             seen.add((d, hier))
             out.append(costmodel.estimate_step(work, cluster, sharding_degree=d,
-                                               accumulation=accumulation, hierarchical=hier))
+                                               accumulation=accumulation, hierarchical=hier,
+                                               tp=tp, tp_mode=layout.mode))
     return out

@@ -48,6 +48,8 @@ def render_plan(plan: Plan) -> str:
                        f"{plural(plan.processes_per_node, 'process')})")],
         ["mesh", mesh],
         ["partition group in one node", within],
+        *([["tensor parallel", f"{p.tensor_parallel_layout} ({plan.tensor_parallel_reason})"]]
+          if p else []),
         ["backend", (f"{plan.backend} (hierarchical all-gather: "
                      f"{'on' if plan.hierarchical_allgather else 'off'})")],
         ["mixed precision", plan.mixed_precision],
@@ -63,6 +65,10 @@ def render_plan(plan: Plan) -> str:
                      f"{mem.model_state_gib:.1f} + unsharded layers "
                      f"{mem.unsharded_layers_gib:.1f} + activations {mem.activation_gib:.1f}"
                      + (f" (of {mem.device_gib:.0f} GiB)" if mem.device_gib else "")])
+    chosen = plan.chosen
+    if chosen and chosen.tensor_parallel > 1:
+        traffic = f"{_gb(chosen.tp_bytes)} per step per device (inside a node)"
+        rows.append(["tensor-parallel traffic", traffic])
     rows += [
         ["$/hour", (f"{_money(plan.cost_per_hour)} ({plan.num_nodes} × "
                     f"{_money(plan.price_per_hour)}, prices of {plan.instance.price_date})")],

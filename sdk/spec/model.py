@@ -158,8 +158,8 @@ class Distribution(_Model):
     attention: Literal[contract.ATTENTION_KERNELS] = Field(
         "flash", description="Attention kernel for dtrain's models."
     )
-    tensor_parallel_degree: int | Literal["auto"] = Field(
-        1, ge=1,
+    tensor_parallel_degree: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1,
         description="Ranks that split each layer of the model (inside one node); MiCS shards "
         "what they leave over the other ranks. 1 = off; `auto` = the planner's smallest degree "
         "at which the model's states, layer and activations fit the devices.",

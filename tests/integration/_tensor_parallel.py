@@ -48,7 +48,7 @@ def build(rt, preset: str, distribution: dict):
 
     ctx = rt.init(distribution=distribution)
     torch.manual_seed(0)
-    model = from_preset(preset, attention="sdpa")
+    model = from_preset(preset)  # the default kernel: flash attention, per shard
     ref = copy.deepcopy(model)
     rt.shard(model, ctx)
     return ctx, model, ref
@@ -61,13 +61,16 @@ def run_parity(rt, preset: str, distribution: dict, optimizer: str) -> tuple[dic
     opt, ref_opt = optimizers(model, ref, optimizer)
     data = torch.Generator().manual_seed(1)
     out = {"losses": [], "ref_losses": [], "grad_norms": [], "ref_grad_norms": []}
+    steps = ctx.gradient_accumulation_steps  # micro-batches per optimizer step
     for _ in range(STEPS):
-        batch = torch.randint(3, VOCAB, (ctx.dp_world_size, MICRO_BATCH, SEQ + 1),
+        batch = torch.randint(3, VOCAB, (steps, ctx.dp_world_size, MICRO_BATCH, SEQ + 1),
                               generator=data)
         ctx.comm_stats.reset()
-        with ctx.micro_step(model, boundary=True):
-            loss = lm_loss(model, batch[ctx.dp_rank], preset)
-            loss.backward()
+        loss = torch.zeros(())
+        for micro in ctx.accumulate(model, [batch[m, ctx.dp_rank] for m in range(steps)]):
+            scaled = micro.scale(lm_loss(model, micro.batch, preset))
+            scaled.backward()
+            loss += scaled.item()
         out["stats"] = ctx.comm_stats.snapshot()
         ref_loss = lm_loss(ref, batch.reshape(-1, SEQ + 1), preset)
         ref_loss.backward()

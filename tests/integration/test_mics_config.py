@@ -78,6 +78,7 @@ def test_ring_model_splits_bytes_by_the_links_that_cross_nodes():
     assert split_bytes("all_gather", 400, size=2, num_nodes=2) == (0.0, 200.0)
     assert split_bytes("all_reduce", 400, size=2, num_nodes=2) == (0.0, 400.0)
     assert split_bytes("broadcast", 400, size=4, num_nodes=2) == (200.0, 100.0)
+    assert split_bytes("reduce", 400, size=4, num_nodes=2) == (200.0, 100.0)  # a chain too
     assert split_bytes("all_reduce", 400, size=1, num_nodes=1) == (0.0, 0.0)
 
 

@@ -30,15 +30,21 @@ FAKE_SDK = {
 }
 
 
-def test_smp_example_runs_against_moto_with_sharding_degree_and_backend(moto_aws, tmp_path):  # noqa: F811
+def run_example(script: str, moto_aws, tmp_path) -> subprocess.CompletedProcess:  # noqa: F811
+    """Run ``examples/<script>`` as a user would, with the stand-in SDK, against moto."""
     sdk = tmp_path / "fake_sdk" / "sagemaker"
     sdk.mkdir(parents=True)
     for name, text in FAKE_SDK.items():
         (sdk / name).write_text(text)
     env = {**os.environ, "PYTHONPATH": str(sdk.parent), "FAKE_SAGEMAKER_ROLE": moto_aws.role_arn}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "smp_port.py")], env=env,
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script)], env=env,
                           cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_smp_example_runs_against_moto_with_sharding_degree_and_backend(moto_aws, tmp_path):  # noqa: F811
+    done = run_example("smp_port.py", moto_aws, tmp_path)
     [summary] = moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"]
     name = summary["TrainingJobName"]
     assert name.startswith("sharded-data-parallel-demo-")
@@ -54,6 +60,20 @@ def test_smp_example_runs_against_moto_with_sharding_degree_and_backend(moto_aws
     assert image.endswith("pytorch-training:2.10-gpu-py313")  # the (fake) SDK's lookup
     bucket = "sagemaker-us-east-1-123456789012"  # the SDK's default bucket, created on demand
     assert job["OutputDataConfig"]["S3OutputPath"] == f"s3://{bucket}"
+    assert done.stdout.strip().endswith("model.tar.gz")
+
+
+def test_smp_v2_tensor_parallel_example_runs_against_moto_as_tp_and_mics(moto_aws, tmp_path):  # noqa: F811
+    done = run_example("smp_tensor_parallel_port.py", moto_aws, tmp_path)
+    [summary] = moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"]
+    job = moto_aws.sagemaker.describe_training_job(TrainingJobName=summary["TrainingJobName"])
+    dist = json.loads(job["HyperParameters"]["dtrain_distribution"])
+    assert (dist["tensor_parallel_degree"], dist["sharding_degree"]) == (8, 2)
+    plan = dist["parallelism"]  # what every host builds: tp 8 inside each node, MiCS over both
+    assert (plan["tp"], plan["dp_shard"], plan["dp_replicate"]) == (8, 2, 1)
+    assert (plan["tp_mode"], plan["sequence_parallel"]) == ("1d", True)
+    assert job["ResourceConfig"] == {**job["ResourceConfig"], "InstanceCount": 2,
+                                     "InstanceType": "ml.p4d.24xlarge"}
     assert done.stdout.strip().endswith("model.tar.gz")
 
 

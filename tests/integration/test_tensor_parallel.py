@@ -103,6 +103,43 @@ def _run_checkpoints(rt, root: str) -> dict:
     return out
 
 
+ACTIVATION_LAYOUTS = {"mics": {"sharding_degree": 4}, "1d": {**ONE_D, "sequence_parallel": False},
+                      "1d-sp": {**ONE_D, "sequence_parallel": True}, "2d": TWO_D}
+
+
+def _run_activations(rt) -> dict:
+    """Bytes kept for backward per rank, the whole model's and one MLP's, per layout."""
+    from dtrain.runtime.train.memory import saved_activations
+
+    out = {}
+    tokens = torch.randint(3, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    for name, distribution in ACTIVATION_LAYOUTS.items():
+        ctx, model, _ = build(rt, "gpt-neox-tiny", distribution)
+        with ctx.micro_step(model, boundary=True):
+            with saved_activations(model) as whole:
+                loss = lm_loss(model, tokens, "gpt-neox-tiny")
+            loss.backward()
+        out[name] = {"model": whole.bytes}
+        if name in ("1d", "2d"):
+            out[name] |= _mlp_activations(model, ctx.plan.tp_grid or 1, ctx.plan.tp)
+    return out
+
+
+def _mlp_activations(model, grid: int, tp: int) -> dict:
+    """What the first block's MLP keeps for its input as this rank holds it: the whole input
+    (1-D without SP) or its grid block (2-D)."""
+    from dtrain.runtime.train.memory import saved_activations
+
+    block = model.gpt_neox.layers[0]
+    block.unshard()  # FSDP2 gathers a block's parameters when the block runs; here it does not
+    x = torch.randn(4 // grid, SEQ, 64 // grid, requires_grad=True)
+    with saved_activations(model) as kept:
+        block.mlp(x)
+    block.reshard()
+    # the MLP's inner size splits tp ways in 1-D, q ways in 2-D
+    return {"mlp": kept.bytes, "ways": tp if grid == 1 else grid, "grid": grid}
+
+
 def _export(model, ref, folder: str) -> torch.Tensor:
     from dtrain.runtime.train.checkpoint import save_hf_model
 
@@ -123,6 +160,7 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
                 folder = os.path.join(result_dir, f"hf-{config_id(config)}")
                 results[f"logits-{config_id(config)}"] = _export(model, ref, folder)
         results["checkpoints"] = _run_checkpoints(rt, os.path.join(result_dir, "ckpt"))
+        results["activations"] = _run_activations(rt)
         torch.distributed.destroy_process_group()
     except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
         results["error"] = traceback.format_exc()
@@ -200,3 +238,21 @@ def test_the_hugging_face_export_of_a_tensor_parallel_run_loads_in_transformers(
     with torch.no_grad():
         logits = model.eval()(LOGITS_INPUT).logits
     torch.testing.assert_close(logits, results["ranks"][0][f"logits-{name}"], atol=1e-5, rtol=0)
+
+
+def test_each_layout_keeps_less_for_backward_and_two_d_least(results):
+    for res in results["ranks"]:
+        kept = {name: run["model"] for name, run in res["activations"].items()}
+        assert kept["2d"] < kept["1d-sp"] < kept["1d"] < kept["mics"]
+        assert kept["2d"] <= 0.65 * kept["1d"]  # benchmarks/tensor_parallel_memory.py: 0.6
+
+
+@pytest.mark.parametrize("layout", ["1d", "2d"])
+def test_a_split_mlp_keeps_only_its_input_and_pre_activation_as_one_process_does(results, layout):
+    # gpt-neox-tiny: hidden 64, MLP 256; 4 sequences of SEQ tokens, fp32. The activation's output
+    # (another pre-activation-sized tensor) is recomputed in backward, not kept.
+    for res in results["ranks"]:
+        run = res["activations"][layout]
+        tokens = 4 * SEQ // run["grid"]
+        expected = tokens * 64 // run["grid"] * 4 + tokens * 256 // run["ways"] * 4
+        assert run["mlp"] == expected

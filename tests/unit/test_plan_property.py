@@ -47,6 +47,9 @@ def specs(draw) -> dict:
                                           st.integers(0, 2 * world))),
         "hierarchical_allgather": draw(st.sampled_from(["auto", True, False])),
         "backend": draw(st.sampled_from(["auto", "nccl", "gloo"])),
+        "tensor_parallel_degree": draw(st.sampled_from([1, 1, 2, 3, 4, 8, "auto"])),
+        "tensor_parallel_mode": draw(st.sampled_from(["1d", "2d"])),
+        "sequence_parallel": draw(st.sampled_from(["auto", True, False])),
     }
     model = draw(st.sampled_from(MODELS))
     return {
@@ -94,6 +97,10 @@ def test_the_runtime_builds_the_printed_plan_or_validation_refuses_naming_the_fi
         return
     assert plan == ParallelismPlan.from_dict(printed["parallelism"])
     assert plan.mesh_shape[0] * plan.dp_degree * plan.tp == printed["world_size"]
+    # a tensor-parallel group stays inside a node, as a 2-D grid when asked for one
+    assert printed["processes_per_node"] % plan.tp == 0
+    assert plan.tp_mode == printed["distribution"]["tensor_parallel_mode"]
+    assert plan.tp_grid ** 2 == plan.tp if plan.tp_mode == "2d" else plan.tp_grid is None
     # the hierarchical all-gather is only ever planned where the runtime can build its groups
     assert not plan.hierarchical_allgather or plan.shard_group_whole_nodes
     assert plan.hierarchical_allgather == (printed["distribution"]["hierarchical_allgather"]

@@ -81,6 +81,11 @@ FIELD_IN_REQUEST = {
     "distribution.hierarchical_allgather":
         lambda r: hps(r)["dtrain_distribution"]["hierarchical_allgather"],
     "distribution.attention": lambda r: hps(r)["dtrain_distribution"]["attention"],
+    "distribution.tensor_parallel_degree":
+        lambda r: hps(r)["dtrain_distribution"]["tensor_parallel_degree"],
+    "distribution.tensor_parallel_mode":
+        lambda r: hps(r)["dtrain_distribution"]["tensor_parallel_mode"],
+    "distribution.sequence_parallel": lambda r: hps(r)["dtrain_distribution"]["sequence_parallel"],
     "inputs": lambda r: {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"]
                          for c in r["InputDataConfig"]
                          if not c["ChannelName"].startswith("dtrain_")},

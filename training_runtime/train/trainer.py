@@ -46,6 +46,7 @@ from dtrain.runtime.train.checkpoint import CheckpointManager, save_hf_model
 from dtrain.runtime.train.optim import DynamicLossScaler, build_optimizer, clip_and_unscale_
 from dtrain.runtime.train.schedule import WarmupCosine
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, int]]
 
@@ -189,7 +190,7 @@ class Trainer:
         for index in range(steps):
             with self.ctx.micro_step(self.model, boundary=index == steps - 1):
                 loss, batch_tokens = self._forward_backward(batches, scale=self.scaler.scale / steps)
-            loss_sum += loss.detach().float().cpu()
+            loss_sum += _local_value(loss.detach()).float().cpu()
             tokens += batch_tokens
         grad_norm, scaled_norm = clip_and_unscale_(
             self.params, max_norm=self.config.max_grad_norm, loss_scale=self.scaler.scale,
@@ -273,6 +274,11 @@ class Trainer:
         if self.scaler.enabled:
             record["loss_scale"] = self.scaler.scale
         return record
+
+
+def _local_value(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor: tensor parallelism's loss is a replicated DTensor."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class _Window:

@@ -13,26 +13,20 @@ from __future__ import annotations
 from dtrain.runtime.distributed.tensor_parallel import layouts as L
 from torch import nn
 
+BLOCK = L.Block(norms=("attention.output.LayerNorm", "output.LayerNorm"),
+                columns=("attention.self.query", "attention.self.key", "attention.self.value",
+                         "intermediate.dense"),
+                rows=("attention.output.dense", "output.dense"), heads="attention.self",
+                whole_sequence=(("attention.self", 2), ("intermediate", 1)))
+
 
 def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
     sp = sequence_parallel
     base = model.base_model_prefix  # "bert" or "roberta"
     plan = L.OneDPlan()
     plan.add(f"{base}.embeddings.word_embeddings", L.replicated_embedding())
-    for index, layer in enumerate(L.children(model, f"{base}.encoder.layer")):
-        for name in ("query", "key", "value"):
-            plan.add(f"{layer}.attention.self.{name}", L.column())
-        plan.rows.append(f"{layer}.attention.output.dense")
-        plan.add(f"{layer}.intermediate.dense", L.column())
-        plan.rows.append(f"{layer}.output.dense")
-        if sp:
-            if index == 0 and L.present(model, f"{base}.embeddings"):
-                plan.add(layer, L.split_sequence(2))
-            plan.add(f"{layer}.attention.self", L.gather_sequence(2))
-            plan.add(f"{layer}.attention.output.LayerNorm", L.sequence_norm())
-            plan.add(f"{layer}.intermediate", L.gather_sequence(1))
-            plan.add(f"{layer}.output.LayerNorm", L.sequence_norm())
-        plan.attention.append(f"{layer}.attention.self")
+    L.add_blocks(plan, model, f"{base}.encoder.layer", BLOCK, sequence_parallel=sp,
+                 split_first=L.present(model, f"{base}.embeddings"))
     head = model.head_name  # "cls.predictions" or "lm_head"
     if sp:
         # BERT's transform is a submodule; RoBERTa's head computes it inline

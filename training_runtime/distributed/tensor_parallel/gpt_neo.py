@@ -10,27 +10,15 @@ from __future__ import annotations
 from dtrain.runtime.distributed.tensor_parallel import layouts as L
 from torch import nn
 
+FAMILY = L.CausalLM(
+    embedding="transformer.wte", position_embedding="transformer.wpe", blocks="transformer.h",
+    final_norm="transformer.ln_f",
+    block=L.Block(norms=("ln_1", "ln_2"),
+                  columns=("attn.attention.q_proj", "attn.attention.k_proj",
+                           "attn.attention.v_proj", "mlp.c_fc"),
+                  rows=("attn.attention.out_proj", "mlp.c_proj"), heads="attn.attention",
+                  whole_sequence=(("attn", 2), ("mlp", 1))))
+
 
 def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
-    sp = sequence_parallel
-    plan = L.OneDPlan()
-    plan.add("transformer.wte", L.replicated_embedding())
-    for index, block in enumerate(L.children(model, "transformer.h")):
-        attention = f"{block}.attn.attention"
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan.add(f"{attention}.{name}", L.column())
-        plan.rows.append(f"{attention}.out_proj")
-        plan.add(f"{block}.mlp.c_fc", L.column())
-        plan.rows.append(f"{block}.mlp.c_proj")
-        if sp:
-            if index == 0 and L.present(model, "transformer.wte"):
-                plan.add(block, L.split_sequence(2))
-            plan.add(f"{block}.ln_1", L.sequence_norm())
-            plan.add(f"{block}.ln_2", L.sequence_norm())
-            plan.add(f"{block}.attn", L.gather_sequence(2))
-            plan.add(f"{block}.mlp", L.gather_sequence(1))
-        plan.attention.append(attention)
-    if sp:
-        plan.add("transformer.ln_f", L.sequence_norm())
-    plan.add("lm_head", L.vocab_head(sp))
-    return plan
+    return L.causal_lm_plan(model, FAMILY, sequence_parallel=sequence_parallel)

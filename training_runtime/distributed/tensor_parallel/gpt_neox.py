@@ -14,46 +14,20 @@ from __future__ import annotations
 
 from dtrain.runtime.distributed.tensor_parallel import grid_layers as G
 from dtrain.runtime.distributed.tensor_parallel import layouts as L
-from dtrain.runtime.distributed.tensor_parallel.optimus import Grid
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+FAMILY = L.CausalLM(
+    embedding="gpt_neox.embed_in", blocks="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm",
+    block=L.Block(norms=("input_layernorm", "post_attention_layernorm"),
+                  columns=("attention.query_key_value", "mlp.dense_h_to_4h"),
+                  rows=("attention.dense", "mlp.dense_4h_to_h"), heads="attention",
+                  whole_sequence=(("attention", 2), ("mlp", 1))))
+
 
 def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
-    sp = sequence_parallel
-    plan = L.OneDPlan()
-    plan.add("gpt_neox.embed_in", L.vocab_embedding(sp))
-    for layer in L.children(model, "gpt_neox.layers"):
-        plan.add(f"{layer}.attention.query_key_value", L.column())
-        plan.rows.append(f"{layer}.attention.dense")
-        plan.add(f"{layer}.mlp.dense_h_to_4h", L.column())
-        plan.rows.append(f"{layer}.mlp.dense_4h_to_h")
-        if sp:
-            plan.add(f"{layer}.input_layernorm", L.sequence_norm())
-            plan.add(f"{layer}.post_attention_layernorm", L.sequence_norm())
-            plan.add(f"{layer}.attention", L.gather_sequence(2))
-            plan.add(f"{layer}.mlp", L.gather_sequence(1))
-        plan.attention.append(f"{layer}.attention")
-    if sp:
-        plan.add("gpt_neox.final_layer_norm", L.sequence_norm())
-    plan.add("lm_head", L.vocab_head(sp))
-    return plan
+    return L.causal_lm_plan(model, FAMILY, sequence_parallel=sequence_parallel)
 
 
 def apply_two_d(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Every linear layer, norm, the embedding and the head on the grid (see :mod:`.optimus`)."""
-    grid = Grid.from_mesh(mesh)
-    G.replace_module(model, "gpt_neox.embed_in", G.GridEmbedding.from_embedding, grid)
-    attention = []
-    for layer in L.children(model, "gpt_neox.layers"):
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            G.replace_module(model, f"{layer}.{norm}", G.GridLayerNorm.from_layer_norm, grid)
-        for linear in ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h",
-                       "mlp.dense_4h_to_h"):
-            G.replace_module(model, f"{layer}.{linear}", G.GridLinear.from_linear, grid)
-        attention.append(f"{layer}.attention")
-    G.replace_module(model, "gpt_neox.final_layer_norm", G.GridLayerNorm.from_layer_norm, grid)
-    G.replace_module(model, "lm_head", G.GridHead.from_linear, grid)
-    if L.present(model, "gpt_neox"):
-        G.slice_attention_mask(model.gpt_neox, grid)
-    L.share_heads(model, attention, grid.q)
+    G.apply_causal_lm(model, mesh, FAMILY)

@@ -10,23 +10,13 @@ from __future__ import annotations
 from dtrain.runtime.distributed.tensor_parallel import layouts as L
 from torch import nn
 
+FAMILY = L.CausalLM(
+    embedding="transformer.wte", blocks="transformer.h", final_norm="transformer.ln_f",
+    block=L.Block(norms=("ln_1",),
+                  columns=("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.fc_in"),
+                  rows=("attn.out_proj", "mlp.fc_out"), heads="attn",
+                  whole_sequence=(("attn", 2), ("mlp", 1))))
+
 
 def one_d_plan(model: nn.Module, *, sequence_parallel: bool) -> L.OneDPlan:
-    sp = sequence_parallel
-    plan = L.OneDPlan()
-    plan.add("transformer.wte", L.vocab_embedding(sp))
-    for block in L.children(model, "transformer.h"):
-        for name in ("q_proj", "k_proj", "v_proj"):
-            plan.add(f"{block}.attn.{name}", L.column())
-        plan.rows.append(f"{block}.attn.out_proj")
-        plan.add(f"{block}.mlp.fc_in", L.column())
-        plan.rows.append(f"{block}.mlp.fc_out")
-        if sp:
-            plan.add(f"{block}.ln_1", L.sequence_norm())
-            plan.add(f"{block}.attn", L.gather_sequence(2))
-            plan.add(f"{block}.mlp", L.gather_sequence(1))
-        plan.attention.append(f"{block}.attn")
-    if sp:
-        plan.add("transformer.ln_f", L.sequence_norm())
-    plan.add("lm_head", L.vocab_head(sp))
-    return plan
+    return L.causal_lm_plan(model, FAMILY, sequence_parallel=sequence_parallel)

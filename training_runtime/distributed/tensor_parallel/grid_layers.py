@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dtrain.core.parallelism import GRID_AXES
+from dtrain.runtime.distributed.tensor_parallel.layouts import children as children_of
+from dtrain.runtime.distributed.tensor_parallel.layouts import present, share_heads
 from dtrain.runtime.distributed.tensor_parallel.optimus import (
     Grid,
     grid_layer_norm,
@@ -36,11 +38,23 @@ def _grid_parameter(param: torch.Tensor, grid: Grid, placements) -> nn.Parameter
                         param.requires_grad)
 
 
-def _adopt(new: nn.Module, old: nn.Module, grid: Grid) -> None:
-    """Shallow ``nn.Module`` set-up without allocating the class's own parameters."""
+def _grid_module(cls, old: nn.Module, grid: Grid, *, copy: tuple[str, ...],
+                 params: dict[str, tuple]) -> nn.Module:
+    """A ``cls`` (a subclass of ``old``'s class) with ``old``'s settings and its parameters as
+    grid DTensors, without allocating the class's own parameters."""
+    new = cls.__new__(cls)
     nn.Module.__init__(new)
-    new.training = old.training
-    new.grid = grid
+    new.training, new.grid = old.training, grid
+    for name in copy:
+        setattr(new, name, getattr(old, name))
+    for name, placements in params.items():
+        param = getattr(old, name)
+        setattr(new, name, None if param is None else _grid_parameter(param, grid, placements))
+    return new
+
+
+_EMBEDDING = ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+              "scale_grad_by_freq", "sparse")
 
 
 class GridLinear(nn.Linear):
@@ -48,12 +62,8 @@ class GridLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, grid: Grid) -> GridLinear:
-        new = cls.__new__(cls)
-        _adopt(new, linear, grid)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = _grid_parameter(linear.weight, grid, AB)
-        new.bias = None if linear.bias is None else _grid_parameter(linear.bias, grid, FEATURES)
-        return new
+        return _grid_module(cls, linear, grid, copy=("in_features", "out_features"),
+                            params={"weight": AB, "bias": FEATURES})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to_local()
@@ -70,13 +80,9 @@ class GridLayerNorm(nn.LayerNorm):
 
     @classmethod
     def from_layer_norm(cls, norm: nn.LayerNorm, grid: Grid) -> GridLayerNorm:
-        new = cls.__new__(cls)
-        _adopt(new, norm, grid)
-        new.normalized_shape, new.eps = norm.normalized_shape, norm.eps
-        new.elementwise_affine = True
-        new.weight = _grid_parameter(norm.weight, grid, FEATURES)
-        new.bias = _grid_parameter(norm.bias, grid, FEATURES)
-        return new
+        return _grid_module(cls, norm, grid, copy=("normalized_shape", "eps",
+                                                   "elementwise_affine"),
+                            params={"weight": FEATURES, "bias": FEATURES})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return grid_layer_norm(x, self.weight.to_local(), self.bias.to_local(), eps=self.eps,
@@ -116,13 +122,7 @@ class GridEmbedding(nn.Embedding):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, grid: Grid) -> GridEmbedding:
-        new = cls.__new__(cls)
-        _adopt(new, embedding, grid)
-        new.num_embeddings, new.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        new.padding_idx, new.max_norm = embedding.padding_idx, None
-        new.norm_type, new.scale_grad_by_freq, new.sparse = 2.0, False, False
-        new.weight = _grid_parameter(embedding.weight, grid, ABT)
-        return new
+        return _grid_module(cls, embedding, grid, copy=_EMBEDDING, params={"weight": ABT})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.shape[0] % self.grid.q:
@@ -138,13 +138,8 @@ class GridPositionEmbedding(nn.Embedding):
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, grid: Grid) -> GridPositionEmbedding:
-        new = cls.__new__(cls)
-        _adopt(new, embedding, grid)
-        new.num_embeddings, new.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        new.padding_idx, new.max_norm = embedding.padding_idx, None
-        new.norm_type, new.scale_grad_by_freq, new.sparse = 2.0, False, False
-        new.weight = _grid_parameter(embedding.weight, grid, (Replicate(), Shard(1)))
-        return new
+        return _grid_module(cls, embedding, grid, copy=_EMBEDDING,
+                            params={"weight": (Replicate(), Shard(1))})
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         return F.embedding(positions, shared_parameter(self.weight.to_local(),
@@ -160,12 +155,8 @@ class GridHead(nn.Linear):
         if linear.bias is not None:
             raise ValueError("2-D tensor parallelism has no plan for an LM head with a bias; "
                              "use tensor_parallel_mode 1d")
-        new = cls.__new__(cls)
-        _adopt(new, linear, grid)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = _grid_parameter(linear.weight, grid, ABT)
-        new.bias = None
-        return new
+        return _grid_module(cls, linear, grid, copy=("in_features", "out_features", "bias"),
+                            params={"weight": ABT})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = summa_abt(x, self.weight.to_local(), self.grid)
@@ -269,3 +260,32 @@ def slice_attention_mask(module: nn.Module, grid: Grid) -> None:
         return args, kwargs
 
     module.register_forward_pre_hook(keep_rows, with_kwargs=True)
+
+
+def apply_blocks(model: nn.Module, blocks: str, block, grid: Grid) -> list[str]:
+    """Every block's norms and projections as grid layers; returns the heads' modules."""
+    heads = []
+    for fqn in children_of(model, blocks):
+        for name in block.norms:
+            replace_module(model, f"{fqn}.{name}", GridLayerNorm.from_layer_norm, grid)
+        for name in (*block.columns, *block.rows):
+            replace_module(model, f"{fqn}.{name}", GridLinear.from_linear, grid)
+        heads.append(f"{fqn}.{block.heads}")
+    return heads
+
+
+def apply_causal_lm(model: nn.Module, mesh, family) -> None:
+    """A decoder (``layouts.CausalLM``) on the grid: embeddings, blocks, final norm, head; the
+    blocks see the attention mask of their grid row's batch slice."""
+    grid = Grid.from_mesh(mesh)
+    replace_module(model, family.embedding, GridEmbedding.from_embedding, grid)
+    if family.position_embedding:
+        replace_module(model, family.position_embedding, GridPositionEmbedding.from_embedding,
+                       grid)
+    heads = apply_blocks(model, family.blocks, family.block, grid)
+    replace_module(model, family.final_norm, GridLayerNorm.from_layer_norm, grid)
+    replace_module(model, family.head, GridHead.from_linear, grid)
+    inner = family.blocks.split(".")[0]  # the model that takes (input_ids, attention_mask)
+    if present(model, inner):
+        slice_attention_mask(model.get_submodule(inner), grid)
+    share_heads(model, heads, grid.q)

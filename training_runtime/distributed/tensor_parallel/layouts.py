@@ -48,6 +48,63 @@ class OneDPlan:
         self.styles.append((fqn, style))
 
 
+@dataclass(frozen=True)
+class Block:
+    """The parts of a family's transformer block a plan splits, named inside the block."""
+
+    norms: tuple[str, ...]  # layer norms: sequence-parallel (1-D with SP) or grid norms (2-D)
+    columns: tuple[str, ...]  # projections split by output features (heads, MLP inner size)
+    rows: tuple[str, ...]  # projections split by input features, partial sums reduced
+    heads: str  # the module whose num_heads is shared out
+    whole_sequence: tuple[tuple[str, int], ...]  # (module, its inputs) that need the sequence
+
+
+def add_blocks(plan: OneDPlan, model: nn.Module, blocks: str, block: Block, *,
+               sequence_parallel: bool, split_first: bool = False) -> None:
+    """The 1-D plan of every block under ``blocks``; ``split_first``: the first block takes
+    whole embeddings and keeps its slice of the sequence (with sequence parallelism)."""
+    for index, fqn in enumerate(children(model, blocks)):
+        for name in block.columns:
+            plan.add(f"{fqn}.{name}", column())
+        plan.rows += [f"{fqn}.{name}" for name in block.rows]
+        plan.attention.append(f"{fqn}.{block.heads}")
+        if not sequence_parallel:
+            continue
+        if index == 0 and split_first:
+            plan.add(fqn, split_sequence(2))
+        for name in block.norms:
+            plan.add(f"{fqn}.{name}", sequence_norm())
+        for name, inputs in block.whole_sequence:
+            plan.add(f"{fqn}.{name}", gather_sequence(inputs))
+
+
+@dataclass(frozen=True)
+class CausalLM:
+    """Where a decoder family keeps what a plan splits (module names in the model)."""
+
+    embedding: str  # the token embedding
+    blocks: str  # the container of the transformer blocks
+    block: Block
+    final_norm: str
+    position_embedding: str | None = None  # learned positions, added to the token embedding
+    head: str = "lm_head"
+
+
+def causal_lm_plan(model: nn.Module, family: CausalLM, *, sequence_parallel: bool) -> OneDPlan:
+    """The 1-D plan of a decoder: vocabulary-parallel embedding, blocks, norm, head. With
+    position embeddings the embeddings are added whole and the first block keeps its slice."""
+    sp = sequence_parallel
+    plan = OneDPlan()
+    added = family.position_embedding is not None
+    plan.add(family.embedding, replicated_embedding() if added else vocab_embedding(sp))
+    add_blocks(plan, model, family.blocks, family.block, sequence_parallel=sp,
+               split_first=added and present(model, family.embedding))
+    if sp:
+        plan.add(family.final_norm, sequence_norm())
+    plan.add(family.head, vocab_head(sp))
+    return plan
+
+
 def residual_layout(sequence_parallel: bool) -> Shard | Replicate:
     return Shard(1) if sequence_parallel else Replicate()
 

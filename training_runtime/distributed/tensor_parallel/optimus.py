@@ -21,7 +21,7 @@ mesh (placements for ``(tp_row, tp_col)``):
 
 Both leave the output split like the input: rows of the batch by grid row, features by column.
 DTensor's own propagation is not used for these products: for a weight sharded on both dims it
-all-gathers and returns full-size gradients (docs/concepts/tensor-parallelism.md).
+all-gathers the weight and returns full-size gradients (measured on torch 2.13).
 """
 
 from __future__ import annotations
