@@ -339,11 +339,12 @@ def balanced_partition(costs: Sequence[UnitCost], num_stages: int, *,
                     current[i] = candidate
         best = current
     if best[n] is None:
-        largest = max(c.parameters for c in costs) * bytes_per_parameter
+        need = params[n] * bytes_per_parameter / num_stages
         raise ValueError(
-            f"no cut into {num_stages} stages fits {budget_bytes / 2**30:.1f} GiB of model states "
-            f"per device (the largest unit alone needs {largest / 2**30:.1f} GiB); raise "
-            "pipeline_parallel_degree, sharding_degree or tensor_parallel_degree")
+            f"no cut into {num_stages} stages fits the model's states in "
+            f"{budget_bytes / 2**30:.1f} GiB per stage (they need {need / 2**30:.1f} GiB per "
+            "stage at the very least); raise pipeline_parallel_degree, sharding_degree or "
+            "tensor_parallel_degree")
     return Partition(best[n][2], n)
 
 

@@ -99,6 +99,7 @@ class StepEstimate:
     inter_bytes: float
     tensor_parallel: int = 1
     tp_bytes: float = 0.0  # of intra_bytes: tensor parallelism's, per device and step
+    pipeline: int = 1  # pipeline ranks (dtrain.planning.pipeline estimates pp > 1)
 
     def to_dict(self) -> dict:
         return asdict(self)
