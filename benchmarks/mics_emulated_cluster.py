@@ -5,6 +5,7 @@ exit, on an exception, on SIGINT/SIGTERM/SIGHUP; ``--cleanup`` removes what a SI
 
     python benchmarks/mics_emulated_cluster.py                 # link = 1/12 of loopback gloo
     python benchmarks/mics_emulated_cluster.py --ratio 24      # like 100 Gbps EFA vs NVSwitch
+    python benchmarks/mics_emulated_cluster.py --pipeline      # and a pp 2 row across the hosts
     python benchmarks/mics_emulated_cluster.py --cleanup
 
 It measures the loopback gloo bandwidth, limits each direction of the veth with ``tc tbf`` to
@@ -13,8 +14,9 @@ ranks), then starts 2 hosts x 2 workers through the node agent (``python -m dtra
 --root HOST_DIR``, one per namespace, each reading its own container contract) for: dtrain at
 sharding degree 1, 2 (MiCS), 4 (ZeRO-3, flat and hierarchical all-gather), and a baseline of raw
 FSDP2 hybrid sharding (plain ``fully_shard`` on a 2-D ``init_device_mesh``, torch's defaults) on
-the MiCS mesh; each with gradient accumulation 1 and 4. Every row trains the same model on the
-same data for the same steps. It prints one table (median step time, tokens/s, inter-host bytes
+the MiCS mesh; each with gradient accumulation 1 and 4. With ``--pipeline``, a row of pipeline
+parallelism across the hosts (a stage per host, sharded over its two workers; ``_pipeline_rows.py``)
+on the same global batch. Every row trains the same model on the same data for the same steps. It prints one table (median step time, tokens/s, inter-host bytes
 per step from the veth counters and from ``ctx.comm_stats``, compute-only step time, and the
 planner's predicted step time), the measured MiCS/ZeRO-3 ratios next to the planner's
 (``dtrain.planning.costmodel`` calibrated on this machine), and the planner's ratios for 16 and 64
@@ -330,6 +332,14 @@ def worker_train(args: argparse.Namespace) -> None:
     torch.distributed.destroy_process_group()
 
 
+def worker_pipeline(args: argparse.Namespace) -> None:
+    """dtrain's pipeline stages across the hosts (``_pipeline_rows.py``)."""
+    from _pipeline_rows import train_pipelined
+
+    train_pipelined(args, build_model=build_model, make_batches=make_batches,
+                    timed_steps=timed_steps)
+
+
 def worker_fsdp2(args: argparse.Namespace) -> None:
     """Baseline: raw FSDP2 HSDP on a 2-D mesh, torch's defaults; no dtrain runtime code."""
     import torch
@@ -488,8 +498,26 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
                   f"{model_s:>8.2f}", flush=True)
             if label == "ZeRO-3" and not hier:
                 measured[("zero3_step", accum)] = (res["step_s"], compute)
+        if args.pipeline:
+            run_pipeline_row(args, launch, measured, work, cluster, accum=accum, compute=compute)
     report_ratios(args, measured, work, cluster, instances, planner)
     print(f"# {time.monotonic() - started:.0f} s in all; load average {_load()} at the end")
+
+
+def run_pipeline_row(args, launch, measured, work, cluster, *, accum: int,
+                     compute: float) -> None:
+    from _pipeline_rows import distribution, predicted_step
+
+    params = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
+              "micro-batch": args.micro_batch, "seq-len": args.seq_len, "accum": accum}
+    res = launch.run("pipeline", distribution=distribution(accum), **params)
+    tokens = 2 * PER_HOST * accum * args.micro_batch * args.seq_len / res["step_s"]
+    measured[("PP 2", False, accum)] = tokens
+    model_s = predicted_step(args, work, cluster, accum=accum)
+    measured[("PP 2 model", accum)] = model_s
+    print(f"{'PP 2':<9} {2:>6} {'pipeline':>12} {accum:>5} {res['step_s']:>8.2f} {tokens:>9.1f} "
+          f"{res['veth_bytes'] / 1e6:>12.1f} {res['stats_inter_bytes'] / 1e6:>13.1f} "
+          f"{compute:>9.2f} {model_s:>8.2f}", flush=True)
 
 
 def report_ratios(args, measured, work, cluster, instances, planner) -> None:
@@ -505,6 +533,16 @@ def report_ratios(args, measured, work, cluster, instances, planner) -> None:
         if mics and raw:
             print(f"accum {accum}: dtrain MiCS / raw FSDP2 HSDP tokens/s = {mics / raw:.3f} "
                   f"(target >= 0.95: {'met' if mics / raw >= 0.95 else 'NOT met'})")
+        pp = measured.get(("PP 2", False, accum))
+        if pp and mics and zero3:  # same global batch: the ratio of step times
+            from dtrain.planning.costmodel import estimate_step
+
+            pp_model = measured[("PP 2 model", accum)]
+            steps = {d: estimate_step(work, cluster, sharding_degree=d, accumulation=accum).step_s
+                     for d in (2, 2 * PER_HOST)}
+            print(f"accum {accum}: PP 2 / MiCS tokens/s = {pp / mics:.2f}x measured, "
+                  f"{steps[2] / pp_model:.2f}x planner; PP 2 / ZeRO-3 = {pp / zero3:.2f}x "
+                  f"measured, {steps[2 * PER_HOST] / pp_model:.2f}x planner")
         if ("zero3_step", accum) in measured:
             step, compute = measured[("zero3_step", accum)]
             print(f"accum {accum}: ZeRO-3 step / compute-only step = {step / compute:.1f}x "
@@ -545,6 +583,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--accum-steps", type=int, nargs="+", default=[1, 4])
     p.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--pipeline", action="store_true",
+                   help="add a row of 2 pipeline stages across the hosts (same global batch)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per row")
     p.add_argument("--cleanup", action="store_true",
                    help="only remove namespaces, processes and temp dirs a killed run left")
@@ -561,7 +601,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 WORKERS = {"loopback": worker_loopback, "link": worker_link, "dtrain": worker_train,
-           "fsdp2": worker_fsdp2}
+           "fsdp2": worker_fsdp2, "pipeline": worker_pipeline}
 
 
 def main() -> None:
