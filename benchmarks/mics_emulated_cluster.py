@@ -17,7 +17,9 @@ tokens. Each prints its step, tokens/s, the bytes that crossed the slow link, th
 (those bytes ÷ the link's measured bandwidth per direction), efficiency = max(floor, compute) ÷
 step, and the planner's predicted step (``dtrain.planning.costmodel`` calibrated on this machine)
 with its ratio to the reference row beside the measured one. DeepSpeed rows need the optional
-``bench`` extra (see ``_deepspeed_rows.py``: version, adaptations, parity check).
+``bench`` extra (see ``_deepspeed_rows.py``: version, adaptations, parity check). The ``PP 2`` rows
+run dtrain's pipeline parallelism across the hosts, a stage per host (``_pipeline_rows.py``), on
+the same global batch.
 
 Adding a row: append a :class:`Row`; a dtrain setting the row needs goes into
 :func:`dtrain_distribution`, its prediction into :func:`predict`.
@@ -56,7 +58,7 @@ class Row:
     """One configuration: who runs it, how it shards, and whether the default run includes it."""
 
     label: str
-    impl: str  # "dtrain", "fsdp2" (raw FSDP2 HSDP) or "deepspeed"
+    impl: str  # "dtrain", "pipeline" (dtrain, 2 stages), "fsdp2" (raw FSDP2 HSDP), "deepspeed"
     degree: int  # partition-group size (DeepSpeed: mics_shard_size; 4 = ZeRO-3)
     accum: int = 1
     sync: str = "auto"  # dtrain's distribution.gradient_sync; the others sync as FSDP2 does
@@ -77,6 +79,7 @@ ROWS = [
     Row("DS MiCS", "deepspeed", 2),
     Row("dtrain MiCS", "dtrain", 2, accum=4),
     Row("DS MiCS", "deepspeed", 2, accum=4),
+    Row("dtrain PP 2", "pipeline", 2),
     Row("dtrain MiCS", "dtrain", 2, micro_batch=OVERLAP_MICRO_BATCH),
     Row("dtrain MiCS fsdp", "dtrain", 2, sync="fsdp", micro_batch=OVERLAP_MICRO_BATCH),
     # --full only
@@ -91,6 +94,7 @@ ROWS = [
     Row("HSDP raw", "fsdp2", 2, accum=4, default=False),
     Row("dtrain ZeRO-3", "dtrain", 4, accum=4, default=False),
     Row("DS ZeRO-3", "deepspeed", 4, accum=4, default=False),
+    Row("dtrain PP 2", "pipeline", 2, accum=4, default=False),
 ]
 REFERENCE = "dtrain MiCS"  # ratios are to this row at the same accumulation and micro-batch
 
@@ -135,12 +139,16 @@ def predict(args, row: Row, cluster) -> float:
     from dtrain.core.parallelism import build_parallelism_plan
     from dtrain.planning.costmodel import estimate_step
 
+    work = workload(args, micro_batch=row.micro_batch)
+    if row.impl == "pipeline":
+        from _pipeline_rows import predicted_step
+
+        return predicted_step(args, work, cluster, accum=row.accum)
     sync, hier = "fsdp", row.hierarchical
     if row.impl == "dtrain":
         plan = build_parallelism_plan(dtrain_distribution(row), world_size=NUM_HOSTS * PER_HOST,
                                       devices_per_node=PER_HOST)
         sync, hier = plan.gradient_sync, plan.hierarchical_allgather
-    work = workload(args, micro_batch=row.micro_batch)
     # DeepSpeed reduce-scatters with a ring's bytes (measured: 607 MB a ZeRO-3 step, not 806)
     factor = 1 if row.impl == "deepspeed" else None
     return estimate_step(work, cluster, sharding_degree=row.degree, accumulation=row.accum,
@@ -161,6 +169,11 @@ def run_rows(launch: Launcher, args, rows: list[Row]) -> list[dict]:
                   "micro_batch": r.micro_batch} for r in rows]
         return launch.run("dtrain", distribution=specs[0]["distribution"],
                           rows=json.dumps(specs), **params)["rows"]
+    if rows[0].impl == "pipeline":
+        from _pipeline_rows import distribution
+
+        return [launch.run("pipeline", distribution=distribution(row.accum), **params,
+                           **{"micro-batch": row.micro_batch}, accum=row.accum) for row in rows]
     return [launch.run(row.impl, **params, **{"micro-batch": row.micro_batch}, accum=row.accum,
                        degree=row.degree, hierarchical=int(row.hierarchical)) for row in rows]
 
@@ -189,7 +202,8 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     # dtrain's rows first (one launch), the reference row of each setting before the others
     for group in (
             [r for r in rows if r.impl == "dtrain"],
-            *([r] for r in rows if r.impl == "fsdp2" or (r.impl == "deepspeed" and deepspeed))):
+            *([r] for r in rows if r.impl in ("fsdp2", "pipeline")
+              or (r.impl == "deepspeed" and deepspeed))):
         if not group:
             continue
         try:
@@ -276,6 +290,14 @@ def report(args, rows: list[Row], results: dict, link: float) -> None:
         if zero3 and "ratio" in zero3:
             print(f"accum {accum}: MiCS/ZeRO-3 tokens/s = {1 / zero3['ratio']:.2f}x measured, "
                   f"{1 / zero3['model_ratio']:.2f}x planner")
+        piped = results.get(("dtrain PP 2", accum, mb))
+        if piped and "ratio" in piped:
+            said = (f"accum {accum}: PP 2 / MiCS tokens/s = {piped['ratio']:.2f}x measured, "
+                    f"{piped['model_ratio']:.2f}x planner")
+            if zero3 and "ratio" in zero3:
+                said += (f"; PP 2 / ZeRO-3 = {piped['ratio'] / zero3['ratio']:.2f}x measured, "
+                         f"{piped['model_ratio'] / zero3['model_ratio']:.2f}x planner")
+            print(said)
     mics = results.get((REFERENCE, 1, mb))
     line("MiCS efficiency against the link floor, accum 1", mics and mics["efficiency"],
          ">= 0.85", mics and mics["efficiency"] >= 0.85)
@@ -363,8 +385,15 @@ def worker_deepspeed(args: argparse.Namespace) -> None:
     run(args)
 
 
+def worker_pipeline(args: argparse.Namespace) -> None:
+    from _pipeline_rows import worker_pipeline as run
+
+    run(args)
+
+
 WORKERS = {"loopback": worker_loopback, "link": worker_link, "compute": worker_compute,
-           "dtrain": worker_train, "fsdp2": worker_fsdp2, "deepspeed": worker_deepspeed}
+           "dtrain": worker_train, "fsdp2": worker_fsdp2, "deepspeed": worker_deepspeed,
+           "pipeline": worker_pipeline}
 
 
 def main() -> None:

@@ -6,7 +6,9 @@ class that lives in a private module; activation checkpointing's wrapper and the
 group have no public import path either; DTensor's collectives (tensor parallelism) go through
 the private functional-collectives module, where the communication statistics count them; the
 overlapped gradient sync waits for its communicator in an autograd final callback, which only
-the private execution engine queues. They are reached only through this module, which was
+the private execution engine queues; FSDP2
+has no getter for whether a module reshards after forward, which pipelining's zero-bubble
+schedules must not do. They are reached only through this module, which was
 checked on the torch range of :mod:`dtrain.core.torch_support`. ``check_torch`` runs when the
 node agent starts, so an image with an unsupported torch fails at once with one line naming its
 torch and the range, not in the middle of a job; a test fails when a name disappears.
@@ -36,6 +38,9 @@ PRIVATE_NAMES = (
     ("torch.distributed.elastic.agent.server.local_elastic_agent", "LocalElasticAgent"),
     ("torch.distributed.launcher.api", "LocalElasticAgent"),  # what launch_agent builds
     ("torch.autograd.variable", "Variable._execution_engine"),
+    # fsdp_reshards_after_forward reads FSDPState._fsdp_param_groups[i].post_forward_mesh_info
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup"),
 )
 # private members of torch's elastic agent that ``HookedElasticAgent`` overrides or reads
 PRIVATE_AGENT_METHODS = ("_start_workers", "_monitor_workers", "_shutdown")
@@ -97,6 +102,15 @@ def fsdp_all_gather_base() -> type:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     return AllGather
+
+
+def fsdp_reshards_after_forward(module: torch.nn.Module) -> list[bool]:
+    """For each FSDP2 parameter group a ``fully_shard``-ed ``module`` owns, whether it frees the
+    unsharded parameters after forward (there is no public getter)."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups = fully_shard.state(module)._fsdp_param_groups
+    return [group.post_forward_mesh_info is not None for group in groups]
 
 
 def checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:

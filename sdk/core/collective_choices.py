@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dtrain.core.errors import ParallelismError
+from dtrain.core.sizing import divisors, short_list
 
 if TYPE_CHECKING:
     from dtrain.core.parallelism import ParallelismPlan
@@ -59,7 +60,9 @@ def gradient_sync(plan: ParallelismPlan, setting: Any, backend: str) -> str:
 
     ``auto`` overlaps where the all-reduce crosses nodes, the traffic it hides, with backend
     ``auto`` or ``gloo`` (``nccl`` asks for stock collectives). With one replica there is no
-    all-reduce, so any setting resolves to ``fsdp``.
+    all-reduce, so any setting resolves to ``fsdp``. Pipeline stages keep FSDP2's own sync:
+    their schedule runs backward micro-batch by micro-batch, outside the accumulation steps the
+    background communicator follows.
     """
     field = "distribution.gradient_sync"
     if setting not in ("auto", *GRADIENT_SYNCS):
@@ -69,17 +72,13 @@ def gradient_sync(plan: ParallelismPlan, setting: Any, backend: str) -> str:
             field, "overlapped needs dtrain's background communicator, but backend 'nccl' "
             "means stock NCCL collectives only; set distribution.backend to 'auto' or use "
             "gradient_sync fsdp")
-    if plan.dp_replicate == 1:
+    if setting == "overlapped" and plan.pp > 1 and plan.dp_replicate > 1:
+        raise ParallelismError(
+            field, "overlapped is not combined with pipeline parallelism (its schedule runs "
+            "backward outside the accumulation steps the background communicator follows); use "
+            "gradient_sync fsdp or auto")
+    if plan.dp_replicate == 1 or plan.pp > 1:
         return "fsdp"
     if setting == "auto":
         return "overlapped" if plan.replica_group_spans_nodes and backend != "nccl" else "fsdp"
     return setting
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def short_list(values: list[int]) -> str:
-    shown = values if len(values) <= 12 else [*values[:6], "…", *values[-3:]]
-    return ", ".join(str(v) for v in shown) or "none"

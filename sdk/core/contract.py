@@ -65,6 +65,11 @@ DISTRIBUTION_DEFAULTS: dict[str, Any] = {
     "tensor_parallel_mode": "1d",
     "sequence_parallel": "auto",
     "gradient_sync": "auto",
+    "pipeline_parallel_degree": 1,
+    "microbatches": "auto",
+    "pipeline_schedule": "auto",
+    "stages_per_rank": "auto",
+    "partition": "auto",
     # the resolved dtrain.core.parallelism plan (a dict), or None when sharding_degree is auto
     # and the model's size is known only at run time
     "parallelism": None,

@@ -8,7 +8,9 @@ all-gather decision is made here and nowhere else.
 
 Axes, outermost first (ranks are node-contiguous, so the innermost axes stay inside a node):
 
-* ``pp``: pipeline stages (only point-to-point traffic crosses it, so it may span nodes);
+* ``pp``: pipeline stages (only point-to-point traffic crosses it, so it may span nodes; a
+  stage's ranks fill part of one node or whole nodes). The schedule, the micro-batches, the stages
+  per rank and the partition setting are resolved here too (:mod:`dtrain.core.pipeline`);
 * ``dp_replicate``: MiCS replicas of the partition group (gradients all-reduced once per step);
 * ``dp_shard``: a MiCS partition group, ``sharding_degree`` ranks that shard the model states
   (1 = DDP, every data-parallel rank = ZeRO-3, in between = MiCS);
@@ -26,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from dtrain.core import pipeline as ppl
 from dtrain.core import tensor_parallel as tpl
 from dtrain.core.collective_choices import (
     GRADIENT_SYNCS,
@@ -33,16 +36,17 @@ from dtrain.core.collective_choices import (
     hierarchical,
     hierarchical_setting,
 )
-from dtrain.core.collective_choices import divisors as _divisors
-from dtrain.core.collective_choices import short_list as _short_list
 from dtrain.core.errors import ParallelismError
 from dtrain.core.sizing import (  # noqa: F401 -- re-exported: the plan's sizing functions
     DEFAULT_HEADROOM,
     MODEL_STATE_BYTES_PER_PARAM,
     candidate_degrees,
     choose_sharding_degree,
+    divisors,
     fits,
     model_state_bytes_per_gpu,
+    resolve_sharding_degree,
+    short_list,
 )
 from dtrain.core.tensor_parallel import ModelDims
 
@@ -64,6 +68,10 @@ class ParallelismPlan:
     tp_mode: str = "1d"  # "1d" (Megatron) or "2d" (Optimus q × q grid)
     sequence_parallel: bool = False  # 1-D only: norms and residuals split the sequence
     gradient_sync: str = "fsdp"  # "overlapped" only with replicas to all-reduce across
+    pipeline_schedule: str = ppl.NO_PIPELINE  # a name of dtrain.core.pipeline.SCHEDULES when pp > 1
+    microbatches: int = 1  # per pipeline step, each a micro-batch of the data loader
+    stages_per_rank: int = 1
+    partition: str | tuple[int, ...] = "auto"  # auto, uniform, or the blocks stages start at
 
     def __post_init__(self) -> None:
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
@@ -72,6 +80,9 @@ class ParallelismPlan:
         assert self.tp_mode == "1d" or tpl.grid_side(self.tp), self
         assert self.gradient_sync in GRADIENT_SYNCS, self
         assert self.gradient_sync == "fsdp" or self.dp_replicate > 1, self
+        assert (self.pp > 1) == (self.pipeline_schedule != ppl.NO_PIPELINE), self
+        if isinstance(self.partition, list):  # from JSON
+            object.__setattr__(self, "partition", tuple(self.partition))
 
     # ---------------------------------------------------------------- the mesh
 
@@ -104,6 +115,24 @@ class ParallelismPlan:
             return f"2-D (Optimus) {self.tp_grid} × {self.tp_grid} grid"
         return f"1-D (Megatron) over {self.tp}" + (
             " with sequence parallelism" if self.sequence_parallel else "")
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def stage_indices(self, rank: int) -> tuple[int, ...]:
+        """The pipeline stages ``rank`` holds (all of them: one, without pipelining)."""
+        if self.pp == 1:
+            return (0,)
+        return ppl.stage_indices(self.coordinates(rank)["pp"], pp=self.pp,
+                                 stages_per_rank=self.stages_per_rank,
+                                 schedule=self.pipeline_schedule)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return ppl.bubble_fraction(self.pipeline_schedule, pp=self.pp,
+                                   microbatches=self.microbatches,
+                                   stages_per_rank=self.stages_per_rank)
 
     @property
     def num_nodes(self) -> int:
@@ -219,23 +248,30 @@ def build_parallelism_plan(
     device_memory_bytes: float | None = None,
     other_bytes_per_device: OtherBytes = 0.0,
     model_dims: ModelDims | None = None,
+    num_blocks: int | None = None,
 ) -> ParallelismPlan | None:
     """The plan for ``distribution`` on ``world_size`` ranks, ``devices_per_node`` per node.
 
     ``distribution`` holds the spec's keys (``sharding_degree``, ``hierarchical_allgather``,
     ``gradient_sync``, ``backend``, ``tensor_parallel_degree``, ``tensor_parallel_mode``, ``sequence_parallel``,
-    ``pipeline_parallel_degree``; missing ones take their defaults). ``model_dims``, when known,
-    refuses tensor-parallel degrees that do not split the model. Returns None when a degree is
-    ``auto`` and the model size or the device memory is not known yet: the runtime then calls
-    this again with the real model. Raises :class:`ParallelismError` naming the spec field when
-    no plan exists.
+    ``pipeline_parallel_degree``, ``microbatches``, ``pipeline_schedule``, ``stages_per_rank``,
+    ``partition``; missing ones take their defaults). ``model_dims``, when known, refuses
+    tensor-parallel degrees that do not split the model; ``num_blocks`` (transformer blocks), when
+    known, refuses more pipeline stages than blocks. Returns None when a degree is ``auto`` and the
+    model size or the device memory is not known yet: the runtime then calls this again with the
+    real model (``pipeline_parallel_degree: auto`` is the planner's to resolve, by its cost
+    model). Raises :class:`ParallelismError` naming the spec field when no plan exists.
     """
     if devices_per_node < 1 or world_size % devices_per_node:
         raise ParallelismError(
             "compute.processes_per_instance",
             f"{devices_per_node} processes per node do not divide the world size {world_size}; "
             "start the same number of processes on every node")
+    if distribution.get("pipeline_parallel_degree", 1) == "auto":
+        return None
     pp = _degree(distribution, "pipeline_parallel_degree")
+    _pipeline_settings(distribution, pp=pp, dp_shard=None, world_size=world_size,
+                       devices_per_node=devices_per_node, num_blocks=num_blocks)
     mode = distribution.get("tensor_parallel_mode", "1d")
     problem = tpl.mode_problem(mode, 1)
     if problem:
@@ -244,7 +280,7 @@ def build_parallelism_plan(
                if world_size % (t * pp) == 0]
     shape = _Shape(world_size=world_size, devices_per_node=devices_per_node, pp=pp, mode=mode,
                    num_parameters=num_parameters, device_memory_bytes=device_memory_bytes,
-                   other_bytes=other_bytes_per_device)
+                   other_bytes=other_bytes_per_device, num_blocks=num_blocks)
     if distribution.get("tensor_parallel_degree", 1) == "auto":
         return _auto_tensor_parallel(distribution, shape, allowed)
     tp = _degree(distribution, "tensor_parallel_degree")
@@ -252,7 +288,7 @@ def build_parallelism_plan(
     if devices_per_node % tp:
         raise ParallelismError(
             field, f"{tp} does not divide the {devices_per_node} devices of a node; a "
-            f"tensor-parallel group must stay inside a node: use one of {_divisors(devices_per_node)}")
+            f"tensor-parallel group must stay inside a node: use one of {divisors(devices_per_node)}")
     problem = tpl.mode_problem(mode, tp)
     if problem:
         raise ParallelismError("distribution.tensor_parallel_mode", problem)
@@ -274,6 +310,7 @@ class _Shape:
     num_parameters: int | None
     device_memory_bytes: float | None
     other_bytes: OtherBytes
+    num_blocks: int | None = None
 
     @property
     def sized(self) -> bool:
@@ -300,20 +337,29 @@ def _plan_at(distribution: Mapping[str, Any], shape: _Shape, *, tp: int, explici
     dp = world_size // (tp * pp)
     setting, backend = hierarchical_setting(distribution)
     other = shape.other_bytes_at(tp)
-    degree = _sharding_degree(distribution, dp=dp,
-                              dp_per_node=max(1, shape.devices_per_node // tp), tp=tp, pp=pp,
-                              num_parameters=shape.num_parameters,
-                              device_memory_bytes=shape.device_memory_bytes,
-                              other_bytes_per_device=other)
+    try:
+        degree = resolve_sharding_degree(
+            distribution.get("sharding_degree", "auto"), dp=dp,
+            dp_per_node=max(1, shape.devices_per_node // tp), tp=tp, pp=pp,
+            num_parameters=shape.num_parameters, device_memory_bytes=shape.device_memory_bytes,
+            other_bytes_per_device=other)
+    except ValueError as exc:
+        raise ParallelismError("distribution.sharding_degree", str(exc)) from None
     if degree is None:
         return None
     params = None if shape.num_parameters is None else shape.num_parameters // (tp * pp)
     if must_fit and not fits(params, degree, shape.device_memory_bytes, other):
         return None
+    pipeline = _pipeline_settings(distribution, pp=pp, dp_shard=degree, world_size=world_size,
+                                  devices_per_node=shape.devices_per_node,
+                                  num_blocks=shape.num_blocks)
     plan = ParallelismPlan(world_size=world_size, devices_per_node=shape.devices_per_node, pp=pp,
                            dp_replicate=dp // degree, dp_shard=degree, tp=tp,
                            hierarchical_allgather=False, tp_mode=shape.mode,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel,
+                           pipeline_schedule=pipeline.schedule,
+                           microbatches=pipeline.microbatches,
+                           stages_per_rank=pipeline.stages_per_rank, partition=pipeline.partition)
     return ParallelismPlan(**{
         **asdict(plan), "hierarchical_allgather": hierarchical(plan, setting, backend),
         "gradient_sync": gradient_sync(plan, distribution.get("gradient_sync", "auto"), backend)})
@@ -345,39 +391,17 @@ def _auto_tensor_parallel(distribution: Mapping[str, Any], shape: _Shape,
                               "distribution.activation_checkpointing"))
 
 
+def _pipeline_settings(distribution: Mapping[str, Any], **facts: Any) -> ppl.PipelineSettings:
+    try:
+        return ppl.resolve_settings(distribution, **facts)
+    except ppl.PipelineSettingError as exc:
+        raise ParallelismError(exc.field, exc.message) from None
+
+
 def _degree(distribution: Mapping[str, Any], key: str) -> int:
     value = distribution.get(key, 1)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ParallelismError(f"distribution.{key}", f"{value!r} is not an integer >= 1")
     return value
 
-
-def _sharding_degree(distribution: Mapping[str, Any], *, dp: int, dp_per_node: int, tp: int,
-                     pp: int, num_parameters: int | None, device_memory_bytes: float | None,
-                     other_bytes_per_device: float) -> int | None:
-    requested = distribution.get("sharding_degree", "auto")
-    field = "distribution.sharding_degree"
-    if requested == "full":
-        return dp
-    if requested == "auto":
-        if num_parameters is None or not device_memory_bytes:
-            return None
-        try:
-            return choose_sharding_degree(
-                num_parameters=num_parameters // (tp * pp), world_size=dp,
-                gpus_per_node=dp_per_node, device_memory_bytes=device_memory_bytes,
-                other_bytes_per_gpu=other_bytes_per_device)
-        except ValueError as exc:
-            raise ParallelismError(field, f"auto: {exc}") from None
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise ParallelismError(
-            field, f"got {requested!r}; use 1 for plain data parallel, a divisor of the "
-            "data-parallel size for MiCS, 'full' for ZeRO-3, or 'auto'")
-    if dp % requested:
-        shape = (f"world size {dp}" if tp * pp == 1 else
-                 f"{dp} data-parallel ranks (world size ÷ tensor {tp} ÷ pipeline {pp})")
-        verb = "exceeds" if requested > dp else "does not divide"
-        raise ParallelismError(field, f"{requested} {verb} the {shape}; use one of "
-                                      f"{_short_list(_divisors(dp))}")
-    return requested
 

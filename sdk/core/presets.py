@@ -162,14 +162,19 @@ def count_parameters(config: dict[str, Any]) -> int:
     embedding, an untied output head, learned position embeddings where the family has them,
     and the final norm.
     """
+    embeddings, block, head = unit_parameters(config)
+    return embeddings + int(config["num_hidden_layers"]) * block + head
+
+
+def unit_parameters(config: dict[str, Any]) -> tuple[int, int, int]:
+    """Parameters of the embeddings, of one block and of the head (final norm + an untied output
+    layer): the units a pipeline cuts a model into (:mod:`dtrain.core.pipeline`)."""
     h = int(config["hidden_size"])
-    layers = int(config["num_hidden_layers"])
     ffn = int(config.get("intermediate_size") or 4 * h)
     vocab = int(config["vocab_size"])
-    per_layer = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
-    total = layers * per_layer + vocab * h + 2 * h
-    if not config.get("tie_word_embeddings", True):
-        total += vocab * h
+    block = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h
+    embeddings = vocab * h
     if config.get("model_type") in {"gpt2", "gpt_neo", "bert", "roberta"}:
-        total += int(config.get("max_position_embeddings", 0)) * h
-    return total
+        embeddings += int(config.get("max_position_embeddings", 0)) * h
+    head = 2 * h + (0 if config.get("tie_word_embeddings", True) else vocab * h)
+    return embeddings, block, head

@@ -1,11 +1,13 @@
-"""Sizing a partition group to a model (STDLIB ONLY): ``sharding_degree: auto``.
+"""Sizing a partition group to a model (STDLIB ONLY): ``sharding_degree``, ``auto`` included.
 
-:func:`dtrain.core.parallelism.build_parallelism_plan` resolves ``auto`` degrees with these
-functions; the planner passes the bytes a device needs beyond the model states (activations, the
+:func:`dtrain.core.parallelism.build_parallelism_plan` resolves the degree with these functions
+(:func:`resolve_sharding_degree`); the planner passes the bytes a device needs beyond the model states (activations, the
 unsharded layer being computed).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 # Mixed-precision Adam keeps, per parameter: fp32 sharded parameter (4) + fp32 gradient (4) +
 # Adam first and second moments (4 + 4) = 16 bytes, divided by the ranks that shard them.
@@ -66,3 +68,39 @@ def choose_sharding_degree(
     )
 
 
+def resolve_sharding_degree(requested: Any, *, dp: int, dp_per_node: int, tp: int, pp: int,
+                            num_parameters: int | None, device_memory_bytes: float | None,
+                            other_bytes_per_device: float) -> int | None:
+    """``sharding_degree`` (an int, ``full`` or ``auto``) over ``dp`` data-parallel ranks; None
+    for ``auto`` before the model is sized. Raises ``ValueError`` with the fix."""
+    if requested == "full":
+        return dp
+    if requested == "auto":
+        if num_parameters is None or not device_memory_bytes:
+            return None
+        try:
+            return choose_sharding_degree(
+                num_parameters=num_parameters // (tp * pp), world_size=dp,
+                gpus_per_node=dp_per_node, device_memory_bytes=device_memory_bytes,
+                other_bytes_per_gpu=other_bytes_per_device)
+        except ValueError as exc:
+            raise ValueError(f"auto: {exc}") from None
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"got {requested!r}; use 1 for plain data parallel, a divisor of the "
+                         "data-parallel size for MiCS, 'full' for ZeRO-3, or 'auto'")
+    if dp % requested:
+        shape = (f"world size {dp}" if tp * pp == 1 else
+                 f"{dp} data-parallel ranks (world size ÷ tensor {tp} ÷ pipeline {pp})")
+        verb = "exceeds" if requested > dp else "does not divide"
+        raise ValueError(f"{requested} {verb} the {shape}; use one of "
+                         f"{short_list(divisors(dp))}")
+    return requested
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def short_list(values: list[int]) -> str:
+    shown = values if len(values) <= 12 else [*values[:6], "…", *values[-3:]]
+    return ", ".join(str(v) for v in shown) or "none"

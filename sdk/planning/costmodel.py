@@ -106,10 +106,11 @@ class Exposed:
     all_gather_s: float = 0.0
     reduce_scatter_s: float = 0.0
     all_reduce_s: float = 0.0
+    point_to_point_s: float = 0.0  # pipeline stages' sends while the pipeline fills and drains
 
     @property
     def total_s(self) -> float:
-        return self.all_gather_s + self.reduce_scatter_s + self.all_reduce_s
+        return self.all_gather_s + self.reduce_scatter_s + self.all_reduce_s + self.point_to_point_s
 
 
 @dataclass
@@ -126,6 +127,7 @@ class StepEstimate:
     inter_bytes: float
     tensor_parallel: int = 1
     tp_bytes: float = 0.0  # of intra_bytes: tensor parallelism's, per device and step
+    pipeline: int = 1  # pipeline ranks (dtrain.planning.pipeline estimates pp > 1)
     gradient_sync: str = "fsdp"
     exposed: Exposed = field(default_factory=Exposed)
     memory_gib: float | None = None  # per device, when the planner knows the model
@@ -236,7 +238,7 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
         gather = (hierarchical_allgather(params, **shape) if hierarchical and nodes > 1
                   else ring(params, **shape))
         if reduce_scatter_factor is None:
-            reduce_scatter_factor = 1 if cluster.overlaps_collectives else 2
+            reduce_scatter_factor = default_reduce_scatter_factor(cluster)
         reduce = ring(grads, **shape, factor=reduce_scatter_factor)
     micro = Traffic()
     micro.add(gather, 2 * units)
@@ -273,6 +275,12 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
         tensor_parallel=tp, tp_bytes=accumulation * tp_traffic.intra_bytes,
         gradient_sync=sync, exposed=exposed,
     )
+
+
+def default_reduce_scatter_factor(cluster: Cluster) -> float:
+    """A reduce-scatter's bytes over a ring's: 1 with NCCL, 2 with gloo, whose
+    ``reduce_scatter_tensor`` runs as an all-reduce (measured)."""
+    return 1 if cluster.overlaps_collectives else 2
 
 
 def step_timeline(unit_compute: float, gather: float, reduce: float, all_reduce: float, *,
@@ -317,6 +325,7 @@ def add_exposed(into: Exposed, more: Exposed) -> None:
     into.all_gather_s += more.all_gather_s
     into.reduce_scatter_s += more.reduce_scatter_s
     into.all_reduce_s += more.all_reduce_s
+    into.point_to_point_s += more.point_to_point_s
 
 
 def with_memory(estimate: StepEstimate, *, memory_gib: float, device_gib: float) -> StepEstimate:

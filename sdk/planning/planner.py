@@ -17,6 +17,7 @@ from dtrain.core.parallelism import ParallelismError, ParallelismPlan, build_par
 from dtrain.core.sizing import DEFAULT_HEADROOM
 from dtrain.core.tensor_parallel import ModelDims
 from dtrain.planning import costmodel
+from dtrain.planning import pipeline as pipelining
 from dtrain.planning.memory import Layout, MemoryEstimate, memory_estimate, other_bytes
 from dtrain.spec.model import JobSpec
 
@@ -69,6 +70,8 @@ class Plan:
     price_per_hour: float | None  # one instance
     notes: list[str] = field(default_factory=list)
     tensor_parallel_reason: str = ""  # why this tensor-parallel layout, for dtrain plan
+    pipeline: pipelining.PipelineEstimate | None = None  # pp > 1 with a known model
+    layout_choice: pipelining.LayoutChoice | None = None  # pipeline_parallel_degree auto
 
     @property
     def sharding_degree(self) -> int | None:
@@ -99,10 +102,12 @@ class Plan:
     def chosen(self) -> costmodel.StepEstimate | None:
         """The estimate for the configuration this job will run."""
         tp = self.parallelism.tp if self.parallelism else 1
+        pp = self.parallelism.pp if self.parallelism else 1
         sync = self.parallelism.gradient_sync if self.parallelism else "fsdp"
         return next((s for s in self.strategies if s.sharding_degree == self.sharding_degree
                      and s.hierarchical == self.hierarchical_allgather
-                     and s.tensor_parallel == tp and s.gradient_sync == sync), None)
+                     and s.tensor_parallel == tp and s.pipeline == pp
+                     and s.gradient_sync == sync), None)
 
     def tensor_parallel_summary(self) -> dict[str, Any] | None:
         """The tensor-parallel layout, why, and its bytes per step per device."""
@@ -121,8 +126,17 @@ class Plan:
         it finds, and ``auto`` versus ``nccl`` also says whether dtrain's collectives may run.
         """
         dist = self.spec.distribution
+        chosen: dict[str, Any] = {}
+        p = self.parallelism
+        if dist.pipeline_parallel_degree == "auto":
+            # the planner's choice (the runtime cannot weigh layouts): the runtime gets degrees
+            chosen = {"pipeline_parallel_degree": p.pp if p else 1}
+            if p is None or p.pp == 1:
+                chosen.update(pipelining.UNSET)
+            if self.layout_choice is not None:
+                chosen.update(tensor_parallel_degree=p.tp, sharding_degree=p.dp_shard)
         return {
-            **dist.model_dump(mode="json"),
+            **dist.model_dump(mode="json"), **chosen,
             "mixed_precision": self.mixed_precision,
             "parallelism": self.parallelism.to_dict() if self.parallelism else None,
         }
@@ -138,6 +152,7 @@ class Plan:
             "parallelism": self.parallelism.to_dict() if self.parallelism else None,
             "partition_group_within_node": self.group_within_node,
             "tensor_parallel": self.tensor_parallel_summary(),
+            "pipeline": pipelining.summary(self.parallelism, self.pipeline, self.layout_choice),
             "distribution": self.runtime_distribution(),
             "model": asdict(self.model) if self.model else None,
             "memory_per_device_gib": (
@@ -172,11 +187,18 @@ def plan(spec: JobSpec) -> Plan:
                      "num_parameters, or hidden_size + num_layers + vocab_size): memory, "
                      "traffic and step time are not estimated")
 
-    parallelism = _parallelism(spec, model, work, notes)
+    choice = pipelining.auto_layout(spec, model, work, cluster, notes) \
+        if dist.pipeline_parallel_degree == "auto" else None
+    parallelism = choice.plan if choice else _parallelism(spec, model, work, notes)
     degree = parallelism.dp_shard if parallelism else None
     layout = _layout(parallelism)
-    memory = memory_estimate(work, layout, sharding_degree=degree, vocab_size=model.vocab_size,
-                             device_gib=float(inst.gpu_memory_gib)) if model and degree else None
+    piped = pipelining.estimate(
+        parallelism, model, work, cluster, accumulation=dist.gradient_accumulation_steps,
+        device_gib=float(inst.gpu_memory_gib)) if model and parallelism and parallelism.pp > 1 \
+        else None
+    memory = piped.memory if piped else memory_estimate(
+        work, layout, sharding_degree=degree, vocab_size=model.vocab_size,
+        device_gib=float(inst.gpu_memory_gib)) if model and degree else None
     if memory and memory.device_gib and memory.total_gib > memory.device_gib:
         notes.append(
             f"estimated {memory.total_gib:.1f} GiB per device exceeds its {memory.device_gib:.0f}"
@@ -185,10 +207,20 @@ def plan(spec: JobSpec) -> Plan:
         )
     strategies = _strategies(model, work, cluster, degree, dist.gradient_accumulation_steps,
                              layout, device_gib=float(inst.gpu_memory_gib)) if work else []
+    if piped:  # the pipeline beside what the same ranks would do without one
+        step = piped.step
+        if inst.gpu_memory_gib:
+            step = costmodel.with_memory(step, memory_gib=piped.memory.total_gib,
+                                         device_gib=piped.memory.device_gib)
+        strategies = _fastest_first([step, *strategies])
+        if piped.problem:
+            notes.append(f"partition: {piped.problem}")
     price = compute.price_per_hour or inst.price_per_hour(compute.target)
     return Plan(spec, inst, compute.instance_count, ppn, world, parallelism, backend, precision,
                 model, memory, strategies, price, notes,
-                tensor_parallel_reason=_tensor_parallel_reason(spec, parallelism, model, work))
+                tensor_parallel_reason="auto: weighed with the pipeline (see layout)" if choice
+                else _tensor_parallel_reason(spec, parallelism, model, work),
+                pipeline=piped, layout_choice=choice)
 
 
 def resolve_mixed_precision(requested: str, inst: instances.InstanceType) -> str:
@@ -294,13 +326,17 @@ def _parallelism(spec, model, work, notes) -> ParallelismPlan | None:
         return other_bytes(work, layout, vocab_size=model.vocab_size)
 
     try:
+        settings = dist.model_dump(mode="json")
+        if settings["pipeline_parallel_degree"] == "auto":  # unsized: no pipeline
+            settings.update({"pipeline_parallel_degree": 1, **pipelining.UNSET})
         result = build_parallelism_plan(
-            dist.model_dump(mode="json"), world_size=spec.compute.world_size,
+            settings, world_size=spec.compute.world_size,
             devices_per_node=spec.compute.resolved_processes_per_instance,
             num_parameters=model.num_parameters if known else None,
             device_memory_bytes=inst.gpu_memory_gib * 2**30 if known else None,
             other_bytes_per_device=beyond_states if known else 0.0,
-            model_dims=model.dims if model else None)
+            model_dims=model.dims if model else None,
+            num_blocks=model.num_layers if model else None)
     except ParallelismError as exc:
         raise SpecError(str(exc)) from None
     if result is None:
@@ -364,4 +400,9 @@ def _strategies(model, work, cluster, degree, accumulation, layout: Layout, *,
                 est = costmodel.with_memory(est, memory_gib=mem.total_gib,
                                             device_gib=mem.device_gib)
             out.append(est)
-    return sorted(out, key=lambda s: (not s.fits, -(s.tokens_per_s or 0.0)))
+    return _fastest_first(out)
+
+
+def _fastest_first(strategies: list[costmodel.StepEstimate]) -> list[costmodel.StepEstimate]:
+    """Those that fit, most tokens/s first; then those whose memory does not fit the device."""
+    return sorted(strategies, key=lambda s: (not s.fits, -(s.tokens_per_s or 0.0)))

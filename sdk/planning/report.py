@@ -65,6 +65,7 @@ def render_plan(plan: Plan) -> str:
                      f"{mem.model_state_gib:.1f} + unsharded layers "
                      f"{mem.unsharded_layers_gib:.1f} + activations {mem.activation_gib:.1f}"
                      + (f" (of {mem.device_gib:.0f} GiB)" if mem.device_gib else "")])
+    rows += _pipeline_rows(plan)
     chosen = plan.chosen
     if chosen and chosen.tensor_parallel > 1:
         traffic = f"{_gb(chosen.tp_bytes)} per step per device (inside a node)"
@@ -81,8 +82,47 @@ def render_plan(plan: Plan) -> str:
         out.append(table([_strategy_row(i, s, plan) for i, s in enumerate(plan.strategies, 1)],
                          ["#", "strategy", "degree", "intra-node", "inter-node", "compute",
                           "exposed comm", "(all-gather)", "step", "tokens/s"]))
+    if plan.layout_choice and plan.layout_choice.candidates:
+        out.append("\nlayouts weighed by pipeline_parallel_degree auto (memory fit first, then "
+                   "predicted tokens/s):")
+        out.append(table([_candidate_row(c, plan) for c in plan.layout_choice.candidates[:10]],
+                         ["pp", "tp", "shard", "memory/device", "fits", "step", "tokens/s"]))
     out += [f"note: {n}" for n in plan.notes]
     return "\n".join(out)
+
+
+def _pipeline_rows(plan: Plan) -> list[list[str]]:
+    """The schedule and bubble, the partition with each stage's share of the FLOPs, the
+    transfers between stages, and why this layout when ``auto`` chose it."""
+    p, est = plan.parallelism, plan.pipeline
+    rows = [["layout", plan.layout_choice.reason]] if plan.layout_choice else []
+    if p is None or p.pp == 1:
+        return rows
+    schedule = (f"{p.num_stages} stages ({p.stages_per_rank} per rank), {p.pipeline_schedule}, "
+                f"{p.microbatches} micro-batches per step; predicted bubble "
+                f"{p.bubble_fraction:.1%}")
+    rows.append(["pipeline", schedule])
+    setting = (f"blocks from {list(p.partition)}" if isinstance(p.partition, tuple)
+               else p.partition)
+    if est is None:
+        rows.append(["partition", f"{setting}: measured at run time (no model shape here)"])
+        return rows
+    stages = "; ".join(f"{k}: {units} ({share:.1%})"
+                       for k, (units, share) in enumerate(zip(est.stages, est.shares)))
+    rows.append(["partition", f"{setting}: {stages}"])
+    where = "across nodes" if est.across_nodes else "inside a node"
+    sent = (f"{_gb(est.bytes_per_rank)} per step sent by the busiest rank "
+            f"({est.transfer_bytes / 1e6:,.2f} MB per micro-batch and cut, {where})")
+    rows.append(["pipeline transfers", sent])
+    return rows
+
+
+def _candidate_row(c, plan: Plan) -> list[str]:
+    chosen = c.plan == plan.parallelism
+    return [str(c.plan.pp) + (" *" if chosen else ""), str(c.plan.tp), str(c.plan.dp_shard),
+            f"{c.memory_gib:.1f} GiB", "yes" if c.fits else "no",
+            f"{c.step.step_s:.3f} s" if c.step else "-",
+            f"{c.step.tokens_per_s:,.0f}" if c.step else "-"]
 
 
 def _strategy_row(rank: int, est, plan: Plan) -> list[str]:

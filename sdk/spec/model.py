@@ -16,7 +16,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from dtrain.core import contract, instances, names, s3
+from dtrain.core import contract, instances, names, pipeline, s3
 from dtrain.core.errors import SpecError, SpecWarning
 from dtrain.spec.base import _Model
 from dtrain.spec.smp import translate_distribution
@@ -123,7 +123,7 @@ class Compute(_Model):
 
 class Distribution(_Model):
     """How the work is split across processes: MiCS sharded data parallelism, optionally
-    composed with tensor parallelism."""
+    composed with tensor and pipeline parallelism."""
 
     sharding_degree: int | Literal["auto", "full"] = Field(
         "auto",
@@ -171,7 +171,39 @@ class Distribution(_Model):
         description="1-D tensor parallelism: split layer norms and residual activations along "
         "the sequence; `auto` = on when tensor_parallel_degree is above 1.",
     )
-
+    pipeline_parallel_degree: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        1,
+        description="Pipeline stages the model's blocks are cut into, one group of ranks each "
+        "(the outermost axis: only the activations between stages cross it, so it may span "
+        "nodes). 1 = off; `auto` = the planner picks pipeline, tensor-parallel and sharding "
+        "degrees together by its cost model (memory fit first, then step time).",
+    )
+    microbatches: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Pipeline only: data-loader micro-batches per pipeline step; the schedule "
+        "overlaps them across stages. `auto` = 2 × pipeline_parallel_degree. 1f1b needs at least "
+        "pipeline_parallel_degree; interleaved schedules a whole number of rounds of it.",
+    )
+    pipeline_schedule: Literal[pipeline.SCHEDULE_CHOICES] = Field(
+        "auto",
+        description="Pipeline only: `gpipe` (all forwards, then all backwards), `1f1b` (one "
+        "forward, one backward: fewer activations held), `interleaved-1f1b` (several stages per "
+        "rank: a smaller bubble), `interleaved-zero-bubble` (and backward split into input and "
+        "weight gradients to fill the bubble), `zbv` (zero-bubble, two stages per rank in a V); "
+        "`auto` = interleaved when the model has the blocks, else 1f1b.",
+    )
+    stages_per_rank: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Pipeline only: stages (virtual stages) each rank holds; `auto` = 2 for the "
+        "interleaved schedules and zbv, 1 otherwise.",
+    )
+    partition: Literal[pipeline.PARTITION_CHOICES] | list[int] = Field(
+        "auto",
+        description="Pipeline only: how blocks are cut into stages. `auto` = balance the "
+        "measured FLOPs of the embeddings, blocks and head, stages fitting in memory (as "
+        "SageMaker's auto_partition); `uniform` = the same number of blocks per stage; or the "
+        "block each stage after the first starts with, e.g. [6] for blocks 0-5 and 6-end.",
+    )
     gradient_sync: Literal[contract.GRADIENT_SYNC_SETTINGS] = Field(
         "auto",
         description="How replicas all-reduce gradients: `fsdp` = FSDP2's all-reduce per block "

@@ -1,10 +1,14 @@
 """Translate SageMaker model-parallel (SMP) distribution dicts into dtrain's distribution.
 
 So that estimator code written for SMP v1 (``sharded_data_parallel_degree``,
-``ddp_dist_backend``, ``tensor_parallel_degree``) or SMP v2 (``hybrid_shard_degree``,
-``tensor_parallel_degree``) ports by changing an import. SMP's tensor parallelism is 1-D
-(Megatron-style) with the sequence split over the group, which is what dtrain's ``1d`` mode with
-``sequence_parallel: auto`` runs.
+``ddp_dist_backend``, ``tensor_parallel_degree``, ``pipeline_parallel_degree``/``partitions``,
+``microbatches``, ``pipeline``, ``auto_partition``, ``active_microbatches``) or SMP v2
+(``hybrid_shard_degree``, ``tensor_parallel_degree``) ports by changing an import. SMP's tensor
+parallelism is 1-D (Megatron-style) with the sequence split over the group, which is what dtrain's
+``1d`` mode with ``sequence_parallel: auto`` runs. SMP v1's pipeline ``interleaved`` alternates
+one forward and one backward per micro-batch (dtrain's ``1f1b``; dtrain's ``interleaved-1f1b``
+is the virtual-stage schedule, which SMP does not have), ``simple`` runs all forwards first
+(``gpipe``).
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from typing import Any
 # SMP parameters that mean the same as a dtrain setting.
 _DEGREE_KEYS = ("sharded_data_parallel_degree", "hybrid_shard_degree")
 # Parallelism dtrain does not implement: a degree above 1 is an error, 1 is fine.
-_UNSUPPORTED_DEGREES = (
-    "pipeline_parallel_degree", "expert_parallel_degree", "context_parallel_degree", "partitions",
-)
+_UNSUPPORTED_DEGREES = ("expert_parallel_degree", "context_parallel_degree")
+_PIPELINE_KEYS = ("pipeline_parallel_degree", "partitions", "microbatches", "pipeline",
+                  "auto_partition", "active_microbatches")
+_SMP_SCHEDULES = {"interleaved": "1f1b", "simple": "gpipe"}
 _WRAPPER_KEYS = ("smdistributed", "torch_distributed", "pytorchddp", "mpi")
 
 
@@ -54,6 +59,8 @@ def _enabled(section: Any) -> bool:
 def _translate_parameters(params: dict, out: dict, notes: list[str]) -> None:
     for key, value in params.items():
         where = f"smdistributed.modelparallel.parameters.{key}"
+        if key in _PIPELINE_KEYS:
+            continue  # below, together
         if key in _DEGREE_KEYS:
             # SMP v2 uses 0 for "shard over every GPU".
             out["sharding_degree"] = "full" if value == 0 else value
@@ -68,9 +75,48 @@ def _translate_parameters(params: dict, out: dict, notes: list[str]) -> None:
         elif key in _UNSUPPORTED_DEGREES:
             if value not in (0, 1):
                 raise ValueError(
-                    f"{where} = {value!r}: dtrain runs sharded data parallel (MiCS) and tensor "
-                    "parallelism, not this; remove it and use sharded_data_parallel_degree / "
-                    "tensor_parallel_degree"
+                    f"{where} = {value!r}: dtrain runs sharded data parallel (MiCS), tensor and "
+                    "pipeline parallelism, not this; remove it and use "
+                    "sharded_data_parallel_degree / tensor_parallel_degree / "
+                    "pipeline_parallel_degree"
                 )
         else:
             notes.append(f"distribution.{where} is not used by dtrain and was ignored")
+    _translate_pipeline(params, out, notes)
+
+
+def _translate_pipeline(params: dict, out: dict, notes: list[str]) -> None:
+    """SMP v1's pipeline settings: ``partitions`` is the older name of the degree."""
+    where = "smdistributed.modelparallel.parameters"
+    degrees = {params[k] for k in ("pipeline_parallel_degree", "partitions") if k in params}
+    if len(degrees) > 1:
+        raise ValueError(f"{where}: pipeline_parallel_degree and partitions are the same setting "
+                         f"but differ ({sorted(degrees, key=str)}); keep one")
+    degree = degrees.pop() if degrees else 1
+    if degree not in (0, 1):
+        out["pipeline_parallel_degree"] = degree
+    elif any(k in params for k in _PIPELINE_KEYS[2:]):
+        notes.append(f"distribution.{where}: microbatches, pipeline, auto_partition and "
+                     "active_microbatches apply to pipeline_parallel_degree above 1; ignored")
+        return
+    if "microbatches" in params:
+        out["microbatches"] = params["microbatches"]
+    if "pipeline" in params:
+        kind = params["pipeline"]
+        if kind not in _SMP_SCHEDULES:
+            raise ValueError(f"{where}.pipeline = {kind!r}: SMP's pipelines are interleaved or "
+                             "simple")
+        out["pipeline_schedule"] = _SMP_SCHEDULES[kind]
+    if "auto_partition" in params:
+        out["partition"] = "auto" if params["auto_partition"] else "uniform"
+        if not params["auto_partition"]:
+            notes.append(f"distribution.{where}.auto_partition false: dtrain does not read "
+                         "smp.partition() in the script; the blocks are split uniformly (set "
+                         "distribution.partition to a list of block indices to choose the cuts)")
+    active = params.get("active_microbatches")
+    if active is not None and active < params.get("microbatches", 1):
+        # GPipe keeps every micro-batch in flight; 1F1B at most pipeline_parallel_degree.
+        out["pipeline_schedule"] = "1f1b"
+        notes.append(f"distribution.{where}.active_microbatches {active}: pipeline_schedule 1f1b, "
+                     f"which keeps at most pipeline_parallel_degree ({degree}) micro-batches in "
+                     "flight on a rank")

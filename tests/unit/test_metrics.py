@@ -97,13 +97,15 @@ def test_only_the_main_rank_writes(tmp_path):
     assert stream.getvalue() == "" and not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_comm_metrics_are_per_step_with_tensor_parallel_bytes_on_their_own():
+def test_comm_metrics_are_per_step_with_tensor_and_pipeline_bytes_on_their_own():
     snap = {"total": {"calls": 8, "intra_bytes": 400.0, "inter_bytes": 100.0},
-            "tensor_parallel": {"calls": 4, "intra_bytes": 240.0, "inter_bytes": 0.0}}
+            "tensor_parallel": {"calls": 4, "intra_bytes": 240.0, "inter_bytes": 0.0},
+            "pipeline": {"calls": 2, "intra_bytes": 0.0, "inter_bytes": 80.0}}
     assert m.comm_metrics(snap, steps=4) == {"comm_intra_bytes_per_step": 100.0,
                                              "comm_inter_bytes_per_step": 25.0,
                                              "comm_calls_per_step": 2.0,
-                                             "comm_tp_bytes_per_step": 60.0}
+                                             "comm_tp_bytes_per_step": 60.0,
+                                             "comm_pp_bytes_per_step": 20.0}
 
 
 def test_tensor_parallel_ranks_share_one_replica_s_tokens_and_flops_are_counted_once():

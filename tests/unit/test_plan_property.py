@@ -50,6 +50,10 @@ def specs(draw) -> dict:
         "tensor_parallel_degree": draw(st.sampled_from([1, 1, 2, 3, 4, 8, "auto"])),
         "tensor_parallel_mode": draw(st.sampled_from(["1d", "2d"])),
         "sequence_parallel": draw(st.sampled_from(["auto", True, False])),
+        "pipeline_parallel_degree": draw(st.sampled_from([1, 1, 1, 2, 3, 4, "auto"])),
+        "pipeline_schedule": draw(st.sampled_from(["auto", "auto", "1f1b", "gpipe",
+                                                   "interleaved-1f1b", "zbv"])),
+        "microbatches": draw(st.sampled_from(["auto", "auto", 1, 4, 5])),
     }
     model = draw(st.sampled_from(MODELS))
     return {
@@ -98,6 +102,10 @@ def test_the_runtime_builds_the_printed_plan_or_validation_refuses_naming_the_fi
         return
     assert plan == ParallelismPlan.from_dict(printed["parallelism"])
     assert plan.mesh_shape[0] * plan.dp_degree * plan.tp == printed["world_size"]
+    # the pipeline axis is outermost: a stage fills part of one node or whole nodes
+    per_stage, per_node = printed["world_size"] // plan.pp, printed["processes_per_node"]
+    assert per_stage % per_node == 0 or per_node % per_stage == 0
+    assert (plan.pp > 1) == (printed["pipeline"] is not None and printed["pipeline"]["degree"] > 1)
     # a tensor-parallel group stays inside a node, as a 2-D grid when asked for one
     assert printed["processes_per_node"] % plan.tp == 0
     assert plan.tp_mode == printed["distribution"]["tensor_parallel_mode"]

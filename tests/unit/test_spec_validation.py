@@ -239,10 +239,35 @@ class TestSmpDistributionTranslation:
             .distribution
         assert (dist.tensor_parallel_degree, dist.sharding_degree) == (8, 2)
 
-    def test_pipeline_parallelism_is_rejected_with_the_fix(self):
-        smp = {"smdistributed": {"modelparallel": {"parameters": {"pipeline_parallel_degree": 2}}}}
-        msg = problems(sagemaker() | {"distribution": smp})
-        assert "pipeline_parallel_degree = 2" in msg and "tensor_parallel_degree" in msg
+    def test_v1_pipeline_settings_are_translated(self):
+        smp = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {
+            "partitions": 2, "microbatches": 8, "pipeline": "simple", "auto_partition": True,
+            "ddp": True}}}, "mpi": {"enabled": True}}
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            dist = JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": smp}) \
+                .distribution
+        assert (dist.pipeline_parallel_degree, dist.microbatches) == (2, 8)
+        assert (dist.pipeline_schedule, dist.partition) == ("gpipe", "auto")
+
+    def test_smp_interleaved_pipeline_is_1f1b_and_active_microbatches_bound_it(self):
+        params = {"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved",
+                  "auto_partition": False}
+        smp = {"smdistributed": {"modelparallel": {"parameters": params}}}
+        with pytest.warns(SpecWarning, match="smp.partition"):
+            dist = JobSpec.from_dict(sagemaker() | {"distribution": smp}).distribution
+        assert (dist.pipeline_schedule, dist.partition) == ("1f1b", "uniform")
+        smp["smdistributed"]["modelparallel"]["parameters"] = {
+            **params, "pipeline": "simple", "active_microbatches": 2}
+        with pytest.warns(SpecWarning, match="active_microbatches 2: pipeline_schedule 1f1b"):
+            dist = JobSpec.from_dict(sagemaker() | {"distribution": smp}).distribution
+        assert dist.pipeline_schedule == "1f1b"
+
+    def test_smp_pipeline_names_that_disagree_are_refused(self):
+        smp = {"smdistributed": {"modelparallel": {"parameters": {
+            "pipeline_parallel_degree": 2, "partitions": 4}}}}
+        assert "pipeline_parallel_degree and partitions are the same" in problems(
+            sagemaker() | {"distribution": smp})
 
     def test_a_tensor_parallel_group_across_nodes_is_refused_with_the_degrees_that_fit(self):
         msg = problems(sagemaker() | {"distribution": {"tensor_parallel_degree": 16}})

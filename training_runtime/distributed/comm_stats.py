@@ -11,7 +11,10 @@ new name) is counted once, by the outermost call.
 Tensor-parallel traffic is its own row, ``"tensor_parallel"``: a collective whose ranks all lie in
 one tensor-parallel group (``tp`` consecutive ranks, the innermost mesh axis; set by
 :meth:`CommStats.set_tensor_parallel_size`) counts there and not under its kind, so the kinds keep
-describing MiCS's data-parallel traffic. ``"total"`` adds both.
+describing MiCS's data-parallel traffic. Pipeline parallelism's point-to-point transfers (the
+activations and gradients crossing stages, sent with ``isend``) are the row
+``"pipeline"``: the bytes this rank sends, inter-node when the peer is on another node.
+``"total"`` adds every row.
 
 Byte model. Each process records its own calls. For a collective on a group of ``N`` ranks
 holding ``S`` bytes of full data (the all-gather output, the reduce-scatter input, the
@@ -53,6 +56,7 @@ from dtrain.runtime import torch_private
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "all_to_all")
 TENSOR_PARALLEL = "tensor_parallel"
+PIPELINE = "pipeline"
 CHAIN_KINDS = ("broadcast", "reduce")
 
 # wrapped function name -> (kind, how to find the full-data bytes from the call's arguments)
@@ -136,7 +140,7 @@ class CommStats:
             raise ValueError(f"local_world_size must be >= 1, got {local_world_size}")
         self.local_world_size = local_world_size
         self.tensor_parallel_size = 1
-        self._rows = (*KINDS, TENSOR_PARALLEL)
+        self._rows = (*KINDS, TENSOR_PARALLEL, PIPELINE)
         self._counters = {row: _Counter() for row in self._rows}
         self._spans: dict[int, tuple[Any, _GroupSpan]] = {}
         self._lock = threading.Lock()
@@ -172,6 +176,17 @@ class CommStats:
             counter.calls += 1
             counter.intra_bytes += intra
             counter.inter_bytes += inter
+
+    def record_send(self, peer: int, nbytes: int) -> None:
+        """Count one point-to-point send of ``nbytes`` to global rank ``peer``."""
+        crosses = peer // self.local_world_size != dist.get_rank() // self.local_world_size
+        with self._lock:
+            counter = self._counters[PIPELINE]
+            counter.calls += 1
+            if crosses:
+                counter.inter_bytes += nbytes
+            else:
+                counter.intra_bytes += nbytes
 
     def _span(self, group: Any) -> _GroupSpan:
         group = group if group is not None else c10d._get_default_group()
@@ -224,6 +239,11 @@ def install(stats: CommStats) -> None:
         setattr(c10d, name, wrapper)
         if getattr(dist, name, None) is original:
             setattr(dist, name, wrapper)
+    original = c10d.isend
+    wrapper = _wrap_send(original)
+    c10d.isend = wrapper  # P2POp and batch_isend_irecv compare ops with c10d's isend by name
+    if dist.isend is original:
+        dist.isend = wrapper
     funcol = torch_private.functional_collectives()
     for name, (kind, size_from) in _FUNCTIONAL.items():
         original = getattr(funcol, name, None)
@@ -267,6 +287,22 @@ def _wrap(original: Callable, kind: str, size_of: Callable, group_pos: int, *,
             return original(*args, **kwargs)
         finally:
             _state.depth = depth
+
+    wrapper.__dtrain_wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_send(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def wrapper(tensor: torch.Tensor, dst: int | None = None, group: Any = None, *args: Any,
+                **kwargs: Any) -> Any:
+        if _active:
+            group_dst = kwargs.get("group_dst")
+            peer = dst if dst is not None else dist.get_global_rank(
+                group if group is not None else torch_private.default_group(), group_dst)
+            for stats in _active:
+                stats.record_send(peer, _nbytes(tensor))
+        return original(tensor, dst, group, *args, **kwargs)
 
     wrapper.__dtrain_wrapped__ = original  # type: ignore[attr-defined]
     return wrapper

@@ -2,8 +2,7 @@
 
 Plain data with validation; no torch import, so the node agent can parse it cheaply. The degrees
 (``sharding_degree``, ``hierarchical_allgather``, ``tensor_parallel_*``, ``sequence_parallel``,
-``gradient_sync``)
-are checked where they are turned into a plan,
+``gradient_sync``, the pipeline's) are checked where they are turned into a plan,
 :func:`dtrain.core.parallelism.build_parallelism_plan`, the function the planner uses too.
 """
 
@@ -44,6 +43,11 @@ class DistributionConfig:
     tensor_parallel_mode: str = _DEFAULTS["tensor_parallel_mode"]
     sequence_parallel: bool | str = _DEFAULTS["sequence_parallel"]
     gradient_sync: str = _DEFAULTS["gradient_sync"]
+    pipeline_parallel_degree: int | str = _DEFAULTS["pipeline_parallel_degree"]
+    microbatches: int | str = _DEFAULTS["microbatches"]
+    pipeline_schedule: str = _DEFAULTS["pipeline_schedule"]
+    stages_per_rank: int | str = _DEFAULTS["stages_per_rank"]
+    partition: str | list[int] = _DEFAULTS["partition"]
     # the launcher's plan (dtrain plan printed it); None: built at run time from the above
     parallelism: ParallelismPlan | None = None
 
@@ -72,7 +76,10 @@ class DistributionConfig:
                 "tensor_parallel_degree": self.tensor_parallel_degree,
                 "tensor_parallel_mode": self.tensor_parallel_mode,
                 "sequence_parallel": self.sequence_parallel,
-                "gradient_sync": self.gradient_sync}
+                "gradient_sync": self.gradient_sync,
+                "pipeline_parallel_degree": self.pipeline_parallel_degree,
+                "microbatches": self.microbatches, "pipeline_schedule": self.pipeline_schedule,
+                "stages_per_rank": self.stages_per_rank, "partition": self.partition}
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> DistributionConfig:

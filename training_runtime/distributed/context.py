@@ -127,12 +127,13 @@ class RuntimeContext:
             ) from None
 
     def build_plan(self, *, sharding_degree: int | None = None, num_parameters: int | None = None,
-                   device_memory_bytes: float | None = None,
-                   model_dims: ModelDims | None = None) -> ParallelismPlan | None:
+                   device_memory_bytes: float | None = None, model_dims: ModelDims | None = None,
+                   num_blocks: int | None = None) -> ParallelismPlan | None:
         """The job's parallelism plan on this world; see :func:`resolve_plan`."""
         return resolve_plan(self.config, self.facts, sharding_degree=sharding_degree,
                             num_parameters=num_parameters,
-                            device_memory_bytes=device_memory_bytes, model_dims=model_dims)
+                            device_memory_bytes=device_memory_bytes, model_dims=model_dims,
+                            num_blocks=num_blocks)
 
     def build_mesh(self, plan: ParallelismPlan) -> DeviceMesh:
         """The plan's ``pp × dp_replicate × dp_shard × tp`` mesh (built once per context)."""
@@ -241,8 +242,8 @@ class RuntimeContext:
 
 def resolve_plan(config: DistributionConfig, facts: ProcessFacts, *,
                  sharding_degree: int | None = None, num_parameters: int | None = None,
-                 device_memory_bytes: float | None = None,
-                 model_dims: ModelDims | None = None) -> ParallelismPlan | None:
+                 device_memory_bytes: float | None = None, model_dims: ModelDims | None = None,
+                 num_blocks: int | None = None) -> ParallelismPlan | None:
     """The plan the runtime uses: the launcher's (what ``dtrain plan`` printed) when it was made
     for this world and nothing overrides it, else the planner's own function on this world
     (``sharding_degree`` overrides the setting). None: ``auto`` without ``num_parameters``."""
@@ -257,7 +258,7 @@ def resolve_plan(config: DistributionConfig, facts: ProcessFacts, *,
     return build_parallelism_plan(
         inputs, world_size=facts.world_size, devices_per_node=facts.local_world_size,
         num_parameters=num_parameters, device_memory_bytes=device_memory_bytes,
-        model_dims=model_dims)
+        model_dims=model_dims, num_blocks=num_blocks)
 
 
 def resolve_backend(requested: str, *, cuda_available: bool) -> str:

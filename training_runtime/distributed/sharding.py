@@ -1,4 +1,8 @@
-"""``dtrain.runtime.shard()``: tensor parallelism, then MiCS sharded data parallelism on FSDP2.
+"""``dtrain.runtime.shard()``: [pipeline stages], tensor parallelism, then MiCS sharded data
+parallelism on FSDP2.
+
+With a ``pp`` axis in the plan, the model is first cut into pipeline stages
+(:mod:`dtrain.runtime.distributed.pipeline`) and each stage goes through the steps below.
 
 With a ``tp`` axis in the plan, the model is first split by its family's tensor-parallel plan
 (:mod:`dtrain.runtime.distributed.tensor_parallel`), then MiCS shards what each rank holds over
@@ -48,48 +52,71 @@ def shard(
     block_classes: Iterable[type[nn.Module]] | None = None,
     mixed_precision: str | None = None,
     activation_checkpointing: bool | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     sharding_degree: int | None = None,
     fusion_buffer_bytes: int = gradient_sync.DEFAULT_BUFFER_BYTES,
+    pipeline_sample: tuple[int, int] | None = None,
 ) -> nn.Module:
-    """Shard ``model`` in place with MiCS and return it (an ``FSDPModule``).
+    """Shard ``model`` in place with MiCS and return it (an ``FSDPModule``); with a ``pp`` axis
+    in the plan, return this rank's pipeline stages instead (a
+    :class:`~dtrain.runtime.distributed.pipeline.PipelineModel`, driven by its ``step``).
 
     ``block_classes`` default to the classes named in the model's ``_no_split_modules``, else
     the children of its largest ``nn.ModuleList`` (:func:`find_blocks`, which logs its choice);
     ``mixed_precision`` / ``activation_checkpointing`` / ``sharding_degree`` default to the
-    context's distribution settings. A model built on the meta device is materialised on
-    ``ctx.device`` after sharding and initialised with its ``init_weights()``.
-    ``fusion_buffer_bytes`` sizes the overlapped gradient sync's buffers (``gradient_sync:
-    overlapped`` in the plan).
+    context's distribution settings. ``reshard_after_forward`` defaults to true, and to false
+    under pipelining (:mod:`dtrain.runtime.distributed.pipeline` says why).
+    ``pipeline_sample`` (sequences, tokens per micro-batch) is what automatic partitioning
+    measures. A model built on the meta device is materialised on ``ctx.device`` after sharding
+    and initialised with its ``init_weights()``. ``fusion_buffer_bytes`` sizes the overlapped
+    gradient sync's buffers (``gradient_sync: overlapped`` in the plan).
     """
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
+    precision = mixed_precision or ctx.config.mixed_precision
+    options = {
+        "policy": build_mixed_precision_policy(precision, device=ctx.device),
+        "checkpointing": (ctx.config.activation_checkpointing if activation_checkpointing is None
+                          else activation_checkpointing),
+        "fusion_buffer_bytes": fusion_buffer_bytes,
+    }
+    if ctx.plan.pp > 1:
+        from dtrain.runtime.distributed.pipeline import build_pipeline, reshard_after_forward_for
+
+        reshard = reshard_after_forward_for(ctx.plan.pipeline_schedule, reshard_after_forward)
+        return build_pipeline(
+            model, ctx, budget_bytes=device_memory_bytes(ctx),
+            compute_bytes=(options["policy"].param_dtype or torch.float32).itemsize,
+            sample_shape=pipeline_sample,
+            shard_stage=lambda stage: _shard_part(stage, ctx, blocks=[
+                stage.get_submodule(path) for path in stage.block_paths],
+                reshard_after_forward=reshard, **options))
+    _shard_part(model, ctx, blocks=find_blocks(model, block_classes),
+                reshard_after_forward=reshard_after_forward is not False, **options)
+    return model
+
+
+def _shard_part(model: nn.Module, ctx: RuntimeContext, *, blocks: list[nn.Module],
+                policy: MixedPrecisionPolicy, checkpointing: bool,
+                reshard_after_forward: bool, fusion_buffer_bytes: int) -> None:
+    """Tensor parallelism, activation checkpointing, then ``fully_shard`` per block and on
+    ``model`` (a whole model, or one pipeline stage)."""
     if ctx.plan.tp > 1:  # before checkpoint wrapping, which renames the modules a plan names
         apply_tensor_parallel(model, ctx.tensor_parallel_mesh, ctx.plan)
-    fsdp_mesh = ctx.data_parallel_mesh
-    policy = build_mixed_precision_policy(
-        mixed_precision or ctx.config.mixed_precision, device=ctx.device
-    )
-    checkpointing = (
-        ctx.config.activation_checkpointing
-        if activation_checkpointing is None
-        else activation_checkpointing
-    )
-    blocks = find_blocks(model, block_classes)
     if checkpointing:
         blocks = apply_activation_checkpointing(model, blocks)
-    options = {"mesh": fsdp_mesh, "mp_policy": policy}
+    options = {"mesh": ctx.data_parallel_mesh, "mp_policy": policy,
+               "reshard_after_forward": reshard_after_forward}
     for block in blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **options)
+        fully_shard(block, **options)
     head = output_head(model)
     if head is not None:
         # torchtitan's unit for the output layer: its gradient, first in backward, is reduced
         # (and handed to the overlapped sync) while the blocks compute, not with the root's at
         # the very end; backward needs it at once, so it stays gathered after forward.
-        fully_shard(head, reshard_after_forward=False, **options)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **options)
+        fully_shard(head, **{**options, "reshard_after_forward": False})
+    fully_shard(model, **options)
     _configure_collectives(model, ctx, fusion_buffer_bytes=fusion_buffer_bytes)
     _materialize_if_meta(model, ctx)
-    return model
 
 
 def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
@@ -101,7 +128,8 @@ def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
     plan = ctx.build_plan(sharding_degree=override,
                           num_parameters=sum(p.numel() for p in model.parameters()),
                           device_memory_bytes=device_memory_bytes(ctx),
-                          model_dims=ModelDims.from_hf_config(config()) if config else None)
+                          model_dims=ModelDims.from_hf_config(config()) if config else None,
+                          num_blocks=len(find_blocks(model, None)) if config else None)
     assert plan is not None  # auto with a parameter count and a memory size always resolves
     return plan
 

@@ -47,9 +47,10 @@ def used_kernels() -> dict[str, str]:
     return dict(_USED_KERNELS)
 
 
-def _record(kernel: str, reason: str) -> None:
-    # Logged once per kernel: attention runs every layer of every step.
-    if kernel not in _USED_KERNELS:
+def _record(kernel: str, reason: str, device: torch.device) -> None:
+    # Logged once per kernel: attention runs every layer of every step. On the meta device (a
+    # pipeline's measuring pass) no kernel runs, so none is recorded.
+    if kernel not in _USED_KERNELS and device.type != "meta":
         _USED_KERNELS[kernel] = reason
         logger.info("attention kernel: %s (%s)", kernel, reason)
 
@@ -127,7 +128,7 @@ def _flash_attn_usable(q: torch.Tensor, mask: torch.Tensor | None) -> bool:
 
 def _flash(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     if _flash_attn_usable(q, mask):
-        _record("flash-attn", "flash-attn package on CUDA")
+        _record("flash-attn", "flash-attn package on CUDA", q.device)
         out = _flash_attn_func(  # flash-attn wants (batch, seq, heads, dim)
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             softmax_scale=scale, causal=causal,
@@ -138,7 +139,7 @@ def _flash(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float) ->
         try:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 out = _sdpa(q, k, v, causal=causal, mask=mask, scale=scale)
-            _record("sdpa-flash", f"torch SDPA flash kernel on {q.device.type}")
+            _record("sdpa-flash", f"torch SDPA flash kernel on {q.device.type}", q.device)
             return out
         except RuntimeError as err:
             _FLASH_REFUSED.add(key)
@@ -146,7 +147,7 @@ def _flash(q, k, v, *, causal: bool, mask: torch.Tensor | None, scale: float) ->
             logger.info("SDPA flash kernel refused %s %s%s: %s", q.device.type, q.dtype,
                         " with mask" if mask is not None else "", reason)
     _record("sdpa", f"flash kernel cannot take {q.device.type} {q.dtype} "
-            f"{'masked ' if mask is not None else ''}inputs; plain SDPA")
+            f"{'masked ' if mask is not None else ''}inputs; plain SDPA", q.device)
     return _sdpa(q, k, v, causal=causal, mask=mask, scale=scale)
 
 
@@ -166,10 +167,10 @@ def attention(
     mask = build_mask(q.shape[0], q.shape[-2], k.shape[-2], causal=causal,
                       key_padding_mask=key_padding_mask, window_size=window_size, device=q.device)
     if backend == "eager":
-        _record("eager", "attention='eager' requested")
+        _record("eager", "attention='eager' requested", q.device)
         return eager_attention(q, k, v, causal=causal, mask=mask, scale=scale)
     if backend == "sdpa":
-        _record("sdpa", "attention='sdpa' requested")
+        _record("sdpa", "attention='sdpa' requested", q.device)
         return _sdpa(q, k, v, causal=causal, mask=mask, scale=scale)
     if backend == "flash":
         return _flash(q, k, v, causal=causal, mask=mask, scale=scale)

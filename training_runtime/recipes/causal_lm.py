@@ -24,16 +24,22 @@ import torch
 import torch.nn.functional as F
 from dtrain.runtime.recipes.common import build_parser, parse_args, run_recipe
 from dtrain.runtime.train.data import TokenBatch
-from torch import nn
+from dtrain.runtime.train.trainer import SplitLoss
 
 
-def next_token_loss(model: nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, int]:
-    """Mean cross-entropy of predicting token t+1 from tokens ..t; logits upcast to fp32."""
+def next_tokens(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(inputs, targets, tokens trained on): tokens ..t predict token t+1."""
     inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:]
-    device = next(model.parameters()).device
-    logits = model(inputs.to(device))
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten())
-    return loss, targets.numel()
+    return inputs, targets, targets.numel()
+
+
+def next_token_criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the next tokens; logits upcast to fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+# ``next_token_loss(model, batch) -> (loss, tokens)``; split in two for pipeline stages
+next_token_loss = SplitLoss(next_tokens, next_token_criterion)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

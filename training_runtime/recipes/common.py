@@ -159,7 +159,8 @@ def run_recipe(args: argparse.Namespace, *, recipe: str,
         checkpointing = (ctx.config.activation_checkpointing
                          if args.activation_checkpointing is None
                          else args.activation_checkpointing)
-        model = rt.shard(model, ctx, activation_checkpointing=checkpointing)
+        model = rt.shard(model, ctx, activation_checkpointing=checkpointing,
+                         pipeline_sample=(args.micro_batch_size, args.seq_len))
         # ranks of one tensor-parallel group read the same batch
         loader = DistributedTokenLoader(
             dataset, window=window, micro_batch_size=args.micro_batch_size,

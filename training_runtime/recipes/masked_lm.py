@@ -9,14 +9,16 @@ Masking follows BERT: of the chosen 15%, 80% become ``<mask>``, 10% a random tok
 It is drawn from a generator seeded by (seed, micro-batch number, rank), so it is deterministic
 and survives a resume without saving any RNG. The loss is the mean over each rank's masked
 tokens (ranks with more masked tokens weigh the same as the others; fine for pre-training).
-The ranks of a tensor-parallel group draw the same masks (the seed takes the data-parallel rank).
+The ranks of a tensor-parallel group, of a pipeline, draw the same masks (the seed takes the
+data-parallel rank). Under pipeline parallelism the loss is the mean over each micro-batch's
+masked tokens, averaged over the micro-batches.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dtrain.runtime.recipes.common import build_parser, parse_args, run_recipe
 from dtrain.runtime.train.data import TokenBatch, TokenDataset
-from torch import nn
+from dtrain.runtime.train.trainer import SplitLoss
 
 IGNORE_INDEX = -100
 
@@ -45,7 +47,7 @@ def mask_tokens(tokens: torch.Tensor, rng: np.random.Generator, *, mask_id: int,
 
 
 def masked_lm_loss(args: argparse.Namespace, dataset: TokenDataset,
-                   ctx: Any = None) -> Callable[..., tuple]:
+                   ctx: Any = None) -> SplitLoss:
     mask_id = dataset.special_tokens.get("<mask>")
     if mask_id is None:
         raise ValueError("the data's tokenizer has no <mask> token; tokenize it with "
@@ -53,17 +55,19 @@ def masked_lm_loss(args: argparse.Namespace, dataset: TokenDataset,
     # the data-parallel rank: the ranks of a tensor-parallel group mask their batch alike
     rank = ctx.dp_rank if ctx is not None else (dist.get_rank() if dist.is_initialized() else 0)
 
-    def loss_fn(model: nn.Module, batch: TokenBatch) -> tuple[torch.Tensor, int]:
+    def masked(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
         rng = np.random.default_rng([args.seed, batch.index, rank])
         inputs, labels = mask_tokens(batch.tokens, rng, mask_id=mask_id,
                                      vocab_size=dataset.vocab_size)
-        device = next(model.parameters()).device
-        logits = model(inputs.to(device))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.to(device).flatten(),
-                               ignore_index=IGNORE_INDEX)
-        return loss, inputs.numel()  # the encoder processes every token
+        return inputs, labels, inputs.numel()  # the encoder processes every token
 
-    return loss_fn
+    return SplitLoss(masked, masked_token_criterion)
+
+
+def masked_token_criterion(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the masked positions; logits upcast to fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE_INDEX)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+# The optimizer's state and settings keyed by parameter name, as torchtitan saves them: pipeline
+# stages hold different parameters, and param groups saved as lists would be written once (the
+# lists of rank 0's stage) and read back into every stage. Checkpoints written before kept lists
+# (``optim.param_groups.0.params``); they still load.
+FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+_LIST_GROUPS = "optim.param_groups.0.params"
+
 
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
@@ -174,7 +181,7 @@ class CheckpointManager:
             tmp.mkdir(parents=True)
         dist.barrier()
         tmp.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(rng_state(), tmp / "rng" / f"rank-{self.rank:05d}.pt")
@@ -234,11 +241,13 @@ class CheckpointManager:
             raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker); "
                              "pass a step-N folder written by CheckpointManager.save")
         check_state_layout(path, model)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        options = StateDictOptions() if _LIST_GROUPS in saved else FLAT_OPTIMIZER
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=options)
         rng_file = path / "rng" / f"rank-{self.rank:05d}.pt"
         if rng_file.is_file():  # absent when resuming on a different world size
             set_rng_state(torch.load(rng_file, weights_only=False))
@@ -317,8 +326,10 @@ def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
     The files are written to :func:`make_staging_dir` and then moved in one by one, ``config.json``
     last, so a save cut off half-way leaves the previous model (or none) and no partial files.
     """
+    gather = getattr(model, "gather_full_state_dict", None)  # pipeline stages: all of them
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(model, options=options)  # empty on ranks other than 0
+    full = gather() if callable(gather) else get_model_state_dict(model, options=options)
+    # (empty on ranks other than 0)
     folder = Path(folder)
     if dist.get_rank() == 0:
         from dtrain.runtime.models import build_model

@@ -44,10 +44,12 @@ JSONL_NAME = "metrics.jsonl"
 
 def model_flops_per_token(model: torch.nn.Module, *, seq_len: int,
                           activation_checkpointing: bool = False) -> float:
-    """``flops_per_token`` with N, L, h read from a dtrain model's HF config."""
+    """``flops_per_token`` with N, L, h read from a dtrain model's HF config (N of the whole
+    model, also when this rank holds some pipeline stages of it)."""
     config = model.hf_config_dict()
+    whole = getattr(model, "num_model_parameters", None)
     return flops_per_token(
-        num_parameters=sum(p.numel() for p in model.parameters()),
+        num_parameters=whole or sum(p.numel() for p in model.parameters()),
         num_layers=int(config["num_hidden_layers"]), hidden_size=int(config["hidden_size"]),
         seq_len=seq_len, activation_checkpointing=activation_checkpointing,
     )
@@ -161,10 +163,33 @@ def comm_metrics(snapshot: dict[str, dict[str, float]], *, steps: int) -> dict[s
     """
     total = snapshot.get("total", {})
     tensor_parallel = snapshot.get("tensor_parallel", {})
+    pipeline = snapshot.get("pipeline", {})
     steps = max(steps, 1)
     return {"comm_intra_bytes_per_step": total.get("intra_bytes", 0.0) / steps,
             "comm_inter_bytes_per_step": total.get("inter_bytes", 0.0) / steps,
             "comm_calls_per_step": total.get("calls", 0) / steps,
             # of which tensor parallelism's (inside a node)
             "comm_tp_bytes_per_step": (tensor_parallel.get("intra_bytes", 0.0)
-                                       + tensor_parallel.get("inter_bytes", 0.0)) / steps}
+                                       + tensor_parallel.get("inter_bytes", 0.0)) / steps,
+            # and pipeline stages' transfers, sent by this rank
+            "comm_pp_bytes_per_step": (pipeline.get("intra_bytes", 0.0)
+                                       + pipeline.get("inter_bytes", 0.0)) / steps}
+
+
+def pipeline_metrics(pipeline: Any, *, steps: int) -> dict[str, float]:
+    """Per pipeline rank, the seconds its stages computed per step (``pp_rank<r>_compute_s``),
+    and the measured bubble: the mean share of a step a rank did not compute (waiting for the
+    next stage, or idle before the pipeline fills and after it drains). Collective over the
+    pipeline's ranks; resets their clocks."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([pipeline.busy_seconds(), pipeline.step_s], dtype=torch.float64)
+    group = pipeline.pipeline_group
+    parts = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    pipeline.reset_timing()
+    steps = max(steps, 1)
+    record = {f"pp_rank{r}_compute_s": float(busy) / steps for r, (busy, _) in enumerate(parts)}
+    idle = [1.0 - float(busy) / float(wall) for busy, wall in parts if wall > 0]
+    record["pipeline_bubble"] = sum(idle) / len(idle) if idle else 0.0
+    return record

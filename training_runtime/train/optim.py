@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from dtrain.runtime import torch_private
 from torch import nn
 
@@ -31,14 +32,24 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
 
 
-def total_grad_norm(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+def total_grad_norm(parameters: Iterable[nn.Parameter], *,
+                    across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The L2 norm of all gradients, across shards; a plain 0-d tensor.
 
     With tensor parallelism the gradients live on different meshes (``dp × tp`` for split
     layers, ``dp`` alone for the rest, the 2-D grid's own): each mesh's norm is reduced on it,
-    then the norms are combined, since one DTensor reduction cannot span meshes.
+    then the norms are combined, since one DTensor reduction cannot span meshes. ``across`` (a
+    pipeline's ranks, each holding other stages) adds their squared norms: the whole model's.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = _local_grad_norm([p.grad for p in parameters if p.grad is not None])
+    if across is None:
+        return norm
+    squared = norm.double().square().reshape(1)
+    dist.all_reduce(squared, group=across)
+    return squared.sqrt()[0].to(norm.dtype)
+
+
+def _local_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.tensor(0.0)
     by_mesh: dict = {}
@@ -97,13 +108,15 @@ class DynamicLossScaler:
 
 
 def clip_and_unscale_(
-    parameters: list[nn.Parameter], *, max_norm: float, loss_scale: float = 1.0
+    parameters: list[nn.Parameter], *, max_norm: float, loss_scale: float = 1.0,
+    across: dist.ProcessGroup | None = None,
 ) -> tuple[float, float]:
     """Unscale and clip gradients in one multiply; returns (true norm, scaled norm).
 
-    The scaled norm is what the loss scaler judges (inf/nan means overflow).
+    The scaled norm is what the loss scaler judges (inf/nan means overflow); ``across`` as in
+    :func:`total_grad_norm`, so every pipeline stage clips by the whole model's norm.
     """
-    scaled = float(total_grad_norm(parameters))
+    scaled = float(total_grad_norm(parameters, across=across))
     norm = scaled / loss_scale
     if not math.isfinite(scaled):
         return norm, scaled

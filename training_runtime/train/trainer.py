@@ -10,6 +10,13 @@ tokens it trained on (for throughput). One optimizer step takes ``gradient_accum
 micro-batches; hop 2 of the gradient sync runs only on the last one (see
 :mod:`dtrain.runtime.distributed.accumulation`).
 
+Pipeline stages (``shard`` returned a ``PipelineModel``): each accumulation step is one pipeline
+step of ``microbatches`` data-loader micro-batches, stacked and run through the schedule; the loss
+must be a :class:`SplitLoss` (inputs and targets apart, the criterion on the last stage's output);
+the loss is reported on every rank and gradients are clipped by the whole model's norm, summed
+over the stages. Each logged step also carries the measured bubble and each pipeline rank's
+compute seconds.
+
 Stopping: SIGTERM (a spot interruption, ``dtrain stop``) sets a flag; at the next step boundary
 every rank agrees on it (one all-reduce of a flag), a checkpoint is written and ``fit`` returns
 with ``preempted=True``; recipes then exit with ``PREEMPTED_EXIT_CODE`` (the node agent reports
@@ -34,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dtrain.core.contract import PREEMPTED_EXIT_CODE  # noqa: F401 - recipes' exit code, shared
+from dtrain.runtime.distributed.pipeline import PipelineModel
 from dtrain.runtime.train import metrics as m
 from dtrain.runtime.train.checkpoint import CheckpointManager, save_hf_model
 from dtrain.runtime.train.model_export import (
@@ -47,6 +55,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, int]]
+
+
+@dataclass(frozen=True)
+class SplitLoss:
+    """A loss in the two parts a pipeline needs: ``split(batch) -> (inputs, targets, tokens)``
+    on a data-loader batch, ``criterion(outputs, targets) -> mean loss`` on the last stage.
+    Called as ``loss_fn(model, batch)`` it runs the whole model, so one loss serves both."""
+
+    split: Callable[[Any], tuple[torch.Tensor, torch.Tensor, int]]
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __call__(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+        inputs, targets, tokens = self.split(batch)
+        device = next(model.parameters()).device
+        return self.criterion(model(inputs.to(device)), targets.to(device)), tokens
 
 
 @dataclass(frozen=True)
@@ -135,6 +158,10 @@ class Trainer:
         self.output_dir = Path(output_dir or ctx.output_data_dir)
         self.stop = stop or StopFlag()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.pipeline = model if isinstance(model, PipelineModel) else None
+        if self.pipeline is not None and not isinstance(loss_fn, SplitLoss):
+            raise ValueError("loss_fn: a model in pipeline stages needs a SplitLoss (its inputs "
+                             "go to the first stage, its targets and criterion to the last)")
         self.peak, self.peak_is_nominal = m.peak_tflops(m.instance_type_from_env(),
                                                         device=ctx.device)
         self.step = 0
@@ -180,19 +207,30 @@ class Trainer:
         steps = self.accumulation
         loss_sum, tokens = torch.zeros(()), 0
         for index in range(steps):
-            batch = next(batches)
             with self.ctx.micro_step(self.model, boundary=index == steps - 1):
-                loss, batch_tokens = self.loss_fn(self.model, batch)
-                (loss * (self.scaler.scale / steps)).backward()
+                loss, batch_tokens = self._forward_backward(batches, scale=self.scaler.scale / steps)
             loss_sum += _local_value(loss.detach()).float().cpu()
             tokens += batch_tokens
         grad_norm, scaled_norm = clip_and_unscale_(
-            self.params, max_norm=self.config.max_grad_norm, loss_scale=self.scaler.scale)
+            self.params, max_norm=self.config.max_grad_norm, loss_scale=self.scaler.scale,
+            across=self.pipeline.pipeline_group if self.pipeline else None)
         lr = self.schedule.apply(self.optimizer, self.step)
         if self.scaler.update(scaled_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / steps, tokens, grad_norm, lr
+
+    def _forward_backward(self, batches: Iterator[Any], *, scale: float
+                          ) -> tuple[torch.Tensor, int]:
+        """One micro-step (a pipeline step of ``microbatches`` batches under pipelining)."""
+        if self.pipeline is None:
+            loss, tokens = self.loss_fn(self.model, next(batches))
+            (loss * scale).backward()
+            return loss, tokens
+        parts = [self.loss_fn.split(next(batches)) for _ in range(self.pipeline.microbatches)]
+        inputs, targets = (torch.cat([part[i] for part in parts]) for i in (0, 1))
+        loss = self.pipeline.step(inputs, targets, self.loss_fn.criterion, loss_scale=scale)
+        return loss, sum(part[2] for part in parts)
 
     def _stop_requested(self) -> bool:
         flag = torch.tensor([1.0 if self.stop.requested else 0.0])
@@ -244,14 +282,16 @@ class Trainer:
         seconds = time.perf_counter() - window.start
         record = {"loss": sums[0].item() / (world * window.steps), "lr": window.lr,
                   "grad_norm": window.grad_norm}
-        # A tensor-parallel group trains on one batch: its ranks' tokens are counted once.
+        # A tensor-parallel group, a pipeline, train on one batch: their tokens count once.
         plan = getattr(self.ctx, "plan", None)
         record.update(m.throughput_metrics(
-            tokens=round(sums[1].item() / (plan.tp if plan else 1)), seconds=seconds,
+            tokens=round(sums[1].item() / (plan.tp * plan.pp if plan else 1)), seconds=seconds,
             flops_per_token=self.flops_per_token, world_size=world, peak_tflops=self.peak,
             replicas=plan.dp_degree if plan else world))
         record["peak_memory_bytes"] = float(m.peak_memory_bytes(self.ctx.device))
         record.update(m.comm_metrics(self.ctx.comm_stats.snapshot(), steps=window.steps))
+        if self.pipeline is not None:
+            record.update(m.pipeline_metrics(self.pipeline, steps=window.steps))
         self.ctx.comm_stats.reset()
         if self.scaler.enabled:
             record["loss_scale"] = self.scaler.scale

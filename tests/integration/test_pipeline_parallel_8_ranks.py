@@ -1,0 +1,65 @@
+"""The 4-D layout on 8 real gloo ranks (2 hosts × 4): ``pp 2 × shard 2 × tp 2``, a pipeline
+stage per host, each stage MiCS-sharded over 2 ranks and split over 2 tensor-parallel ranks with
+sequence parallelism (its activations cross the stages as DTensors), against one process within
+1e-6: 1F1B, and interleaved zero-bubble (two stages per rank).
+
+Spawned once for the module; eight processes on two cores take a minute or two.
+
+    pytest tests/integration/test_pipeline_parallel_8_ranks.py -q
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+from _pipeline import run_parity
+from _tensor_parallel import join, spawn, write
+
+pytestmark = pytest.mark.slow
+
+WORLD, PER_HOST, TOL = 8, 4, 1e-6
+LAYOUT = {"pipeline_parallel_degree": 2, "sharding_degree": 2, "tensor_parallel_degree": 2}
+SCHEDULES = ["1f1b", "interleaved-zero-bubble"]
+
+
+def _worker(rank: int, port: int, result_dir: str) -> None:
+    join(rank, port, world=WORLD, per_host=PER_HOST)
+    results: dict = {}
+    try:
+        import dtrain.runtime as rt
+
+        for schedule in SCHEDULES:
+            results[schedule] = run_parity(rt, {**LAYOUT, "pipeline_schedule": schedule})
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
+        results["error"] = traceback.format_exc()
+    write(results, result_dir, rank)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    return spawn(_worker, world=WORLD, per_host=PER_HOST,
+                 result_dir=tmp_path_factory.mktemp("pipeline-8"))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_by_shard2_by_tp2_matches_one_process(results, schedule):
+    for res in results:
+        run = res[schedule]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(run["ref_losses"]),
+                                   atol=TOL, rtol=0)
+        assert run["param_error"] < TOL
+        torch.testing.assert_close(torch.tensor(run["grad_norms"]),
+                                   torch.tensor(run["ref_grad_norms"]), atol=0, rtol=1e-5)
+
+
+def test_the_mesh_is_4d_with_tensor_parallelism_inside_a_host_and_stages_across(results):
+    plan = results[0]["1f1b"]["plan"]
+    assert plan["mesh_shape"] == [2, 1, 2, 2] and plan["sequence_parallel"] is True
+    for res in results:
+        stats = res["1f1b"]["stats"]
+        assert stats["tensor_parallel"]["calls"] > 0
+        assert stats["tensor_parallel"]["inter_bytes"] == 0
+        assert stats["pipeline"]["inter_bytes"] > 0  # host 0's stage sends to host 1's
