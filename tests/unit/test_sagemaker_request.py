@@ -87,6 +87,9 @@ FIELD_IN_REQUEST = {
     "distribution.tensor_parallel_mode":
         lambda r: hps(r)["dtrain_distribution"]["tensor_parallel_mode"],
     "distribution.sequence_parallel": lambda r: hps(r)["dtrain_distribution"]["sequence_parallel"],
+    **{f"distribution.{key}": (lambda r, key=key: hps(r)["dtrain_distribution"][key])
+       for key in ("pipeline_parallel_degree", "microbatches", "pipeline_schedule",
+                   "stages_per_rank", "partition")},
     "inputs": lambda r: {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"]
                          for c in r["InputDataConfig"]
                          if not c["ChannelName"].startswith("dtrain_")},

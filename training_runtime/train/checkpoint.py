@@ -320,16 +320,23 @@ def make_staging_dir(folder: str | Path) -> Path:
     return staging
 
 
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's full tensors on rank 0, empty elsewhere (collective); for pipeline
+    stages, every stage's."""
+    gather = getattr(model, "gather_full_state_dict", None)
+    if callable(gather):
+        return gather()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
 def save_hf_model(model: nn.Module, folder: str | Path) -> Path:
     """Gather the full weights and write a Hugging Face folder from rank 0 (collective).
 
     The files are written to :func:`make_staging_dir` and then moved in one by one, ``config.json``
     last, so a save cut off half-way leaves the previous model (or none) and no partial files.
     """
-    gather = getattr(model, "gather_full_state_dict", None)  # pipeline stages: all of them
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = gather() if callable(gather) else get_model_state_dict(model, options=options)
-    # (empty on ranks other than 0)
+    full = full_state_dict(model)  # pipeline stages: all of them; empty on ranks other than 0
     folder = Path(folder)
     if dist.get_rank() == 0:
         from dtrain.runtime.models import build_model

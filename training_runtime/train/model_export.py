@@ -30,11 +30,12 @@ import torch.distributed as dist
 from dtrain.runtime.train.checkpoint import (
     MODEL_INFO,
     _publish,
+    full_state_dict,
     make_staging_dir,
     remove_partial_model_files,
 )
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
 MODEL_FORMATS = ("auto", "huggingface", "safetensors", "none")
@@ -67,6 +68,8 @@ def hf_problem(model: nn.Module) -> str | None:
     config = getattr(model, "hf_config_dict", None)
     if not callable(config):
         return f"{_model_class(model).__name__} is not one of dtrain's model families"
+    if callable(getattr(model, "gather_full_state_dict", None)):
+        return None  # pipeline stages: built only for dtrain's families, under the model's names
     from dtrain.runtime.models import build_model
 
     family = build_model(config(), device="meta")
@@ -85,8 +88,7 @@ def save_safetensors_model(model: nn.Module, folder: str | Path) -> Path:
     ``dtrain_model.json`` from rank 0 (collective); see the module docstring."""
     from safetensors.torch import save_file
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(model, options=options)  # empty on ranks other than 0
+    full = full_state_dict(model)  # empty on ranks other than 0
     folder = Path(folder)
     if dist.get_rank() == 0:
         tensors, storages = {}, set()
