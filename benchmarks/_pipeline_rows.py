@@ -63,7 +63,7 @@ def predicted_step(args: argparse.Namespace, work, cluster, *, accum: int) -> fl
     """The planner's step for the row (``dtrain.planning.pipeline.estimate``)."""
     from dtrain.core.parallelism import build_parallelism_plan
     from dtrain.planning import pipeline as pipelining
-    from dtrain.planning.planner import ModelShape
+    from dtrain.planning.model_shape import ModelShape
     from dtrain.runtime.models import from_preset
 
     config = from_preset(args.model, device="meta").config

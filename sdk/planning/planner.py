@@ -6,52 +6,18 @@ The plan is what every launcher backend builds its request from, and what ``dtra
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from dtrain.core import instances, presets
+from dtrain.core import instances
 from dtrain.core.errors import SpecError
 from dtrain.core.parallelism import ParallelismError, ParallelismPlan, build_parallelism_plan
 from dtrain.core.sizing import DEFAULT_HEADROOM
-from dtrain.core.tensor_parallel import ModelDims
 from dtrain.planning import costmodel
 from dtrain.planning import pipeline as pipelining
 from dtrain.planning.memory import Layout, MemoryEstimate, memory_estimate, other_bytes
+from dtrain.planning.model_shape import ModelShape, model_shape
 from dtrain.spec.model import JobSpec
-
-# hyperparameter names the planner reads the model's shape from (first one present wins)
-_SHAPE_KEYS = {
-    "hidden_size": ("hidden_size", "d_model", "n_embd"),
-    "num_layers": ("num_layers", "num_hidden_layers", "n_layer"),
-    "vocab_size": ("vocab_size",),
-    "seq_len": ("seq_len", "sequence_length", "max_seq_length", "max_context_width"),
-    "micro_batch_size": ("micro_batch_size", "train_batch_size", "batch_size"),
-    "num_heads": ("num_attention_heads", "n_head", "num_heads"),
-    "intermediate_size": ("intermediate_size", "n_inner"),
-}
-DEFAULT_SEQ_LEN = 2048
-DEFAULT_MICRO_BATCH = 1
-@dataclass
-class ModelShape:
-    source: str
-    num_parameters: int
-    hidden_size: int
-    num_layers: int
-    vocab_size: int
-    seq_len: int
-    micro_batch_size: int
-    num_heads: int | None = None
-    intermediate_size: int | None = None
-
-    @property
-    def dims(self) -> ModelDims | None:
-        """What tensor parallelism splits; None when the heads are not known."""
-        if not self.num_heads:
-            return None
-        return ModelDims(self.num_heads, self.hidden_size,
-                         self.intermediate_size or 4 * self.hidden_size, self.vocab_size)
 
 
 @dataclass
@@ -250,68 +216,6 @@ def workload(model: ModelShape, precision: str, checkpointing: bool) -> costmode
         compute_bytes=4 if precision == "fp32" else 2, activation_checkpointing=checkpointing,
         vocab_size=model.vocab_size,
     )
-
-
-def model_shape(hps: dict[str, Any]) -> ModelShape | None:
-    """The model's size from ``hyperparameters``: a preset or HF folder, plus explicit keys."""
-    config: dict[str, Any] = {}
-    source = "hyperparameters"
-    name = hps.get("model")
-    if isinstance(name, str) and name:
-        config, source = _model_config(name), name
-    shape = {key: _first(hps, names, config) for key, names in _SHAPE_KEYS.items()}
-    explicit = hps.get("num_parameters")
-    if explicit is None and not all(shape[k] for k in ("hidden_size", "num_layers", "vocab_size")):
-        return None  # a script's own hyperparameters: nothing to size the model from
-    try:
-        if explicit is not None:
-            num = int(float(explicit))
-        else:
-            num = presets.count_parameters({**config, "hidden_size": shape["hidden_size"],
-                                            "num_hidden_layers": shape["num_layers"],
-                                            "vocab_size": shape["vocab_size"]})
-        hidden = int(shape["hidden_size"] or _hidden_from_count(num))
-        layers = int(shape["num_layers"] or max(1, round(num / (12 * hidden * hidden))))
-        return ModelShape(
-            source=source, num_parameters=num, hidden_size=hidden, num_layers=layers,
-            vocab_size=int(shape["vocab_size"] or 50304),
-            seq_len=int(shape["seq_len"] or config.get("max_position_embeddings")
-                        or DEFAULT_SEQ_LEN),
-            micro_batch_size=int(shape["micro_batch_size"] or DEFAULT_MICRO_BATCH),
-            num_heads=int(shape["num_heads"]) if shape["num_heads"] else None,
-            intermediate_size=(int(shape["intermediate_size"]) if shape["intermediate_size"]
-                               else None),
-        )
-    except (TypeError, ValueError):
-        raise SpecError(
-            "hyperparameters: model shape values must be numbers (num_parameters, hidden_size, "
-            "num_layers, vocab_size, seq_len, micro_batch_size)"
-        ) from None
-
-
-def _model_config(name: str) -> dict[str, Any]:
-    folder = Path(name).expanduser()
-    if (folder / "config.json").is_file():
-        return json.loads((folder / "config.json").read_text())
-    try:
-        return presets.get_preset(name)
-    except ValueError as exc:
-        raise SpecError(f"hyperparameters.model: {exc}") from None
-
-
-def _first(hps: dict, names: tuple[str, ...], config: dict) -> Any:
-    for key in names:
-        if hps.get(key) is not None:
-            return hps[key]
-    for key in names:
-        if config.get(key) is not None:
-            return config[key]
-    return None
-
-
-def _hidden_from_count(num: int) -> int:
-    # A GPT-style model with about 100 layers per 10k hidden; rough but only used for latency.
-    return max(64, round((num / 1.2e-3) ** (1 / 3) / 64) * 64)
 
 
 def _parallelism(spec, model, work, notes) -> ParallelismPlan | None:
