@@ -209,7 +209,8 @@ class Distribution(_Model):
         description="How replicas all-reduce gradients: `fsdp` = FSDP2's all-reduce per block "
         "inside backward; `overlapped` = SDP-style: gradient shards go into equal fusion "
         "buffers that a background communicator all-reduces (through host memory) while "
-        "backward goes on; `auto` = overlapped where the all-reduce crosses nodes.",
+        "backward goes on; `auto` = overlapped where the all-reduce crosses nodes (never with "
+        "pipeline parallelism, whose stages keep fsdp).",
     )
 
     @model_validator(mode="before")

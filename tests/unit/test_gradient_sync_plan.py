@@ -60,3 +60,14 @@ def test_the_decision_travels_with_the_plan_and_older_plans_read_as_fsdp():
     assert ParallelismPlan.from_dict(plan.to_dict()) == plan
     older = {k: v for k, v in plan.to_dict().items() if k != "gradient_sync"}
     assert ParallelismPlan.from_dict(older).gradient_sync == "fsdp"
+
+
+def test_pipeline_stages_keep_fsdp_s_sync_and_refuse_the_overlapped_one():
+    # 2 stages × 4 replicas × shard 4 on 4 nodes of 8: replicas exist, yet auto stays fsdp
+    plan = _plan(world=32, pipeline_parallel_degree=2, sharding_degree=4)
+    assert plan.pp == 2 and plan.dp_replicate == 4 and plan.replica_group_spans_nodes
+    assert plan.gradient_sync == "fsdp"
+    with pytest.raises(ParallelismError, match=r"^distribution\.gradient_sync: overlapped is "
+                                               r"not combined with pipeline parallelism"):
+        _plan(world=32, pipeline_parallel_degree=2, sharding_degree=4,
+              gradient_sync="overlapped")
