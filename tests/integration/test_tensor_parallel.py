@@ -135,9 +135,12 @@ def _mlp_activations(model, grid: int, tp: int) -> dict:
     x = torch.randn(4 // grid, SEQ, 64 // grid, requires_grad=True)
     with saved_activations(model) as kept:
         block.mlp(x)
+    with saved_activations(model) as normed:
+        block.mlp(block.post_attention_layernorm(x))
     block.reshard()
     # the MLP's inner size splits tp ways in 1-D, q ways in 2-D
-    return {"mlp": kept.bytes, "ways": tp if grid == 1 else grid, "grid": grid}
+    return {"mlp": kept.bytes, "normed_mlp": normed.bytes, "ways": tp if grid == 1 else grid,
+            "grid": grid}
 
 
 def _export(model, ref, folder: str) -> torch.Tensor:
@@ -244,7 +247,7 @@ def test_each_layout_keeps_less_for_backward_and_two_d_least(results):
     for res in results["ranks"]:
         kept = {name: run["model"] for name, run in res["activations"].items()}
         assert kept["2d"] < kept["1d-sp"] < kept["1d"] < kept["mics"]
-        assert kept["2d"] <= 0.65 * kept["1d"]  # benchmarks/tensor_parallel_memory.py: 0.6
+        assert kept["2d"] <= 0.58 * kept["1d"]  # benchmarks/tensor_parallel_memory.py: 0.53
 
 
 @pytest.mark.parametrize("layout", ["1d", "2d"])
@@ -256,3 +259,17 @@ def test_a_split_mlp_keeps_only_its_input_and_pre_activation_as_one_process_does
         tokens = 4 * SEQ // run["grid"]
         expected = tokens * 64 // run["grid"] * 4 + tokens * 256 // run["ways"] * 4
         assert run["mlp"] == expected
+
+
+def test_a_two_d_norm_before_a_product_keeps_its_input_not_its_output(results):
+    # 2-D: the SUMMA product after a grid layer norm recomputes the norm's output in backward
+    # from the input and the per-token mean and rstd, which the norm keeps anyway; 1-D keeps
+    # the norm's output for the column-parallel matmul.
+    for res in results["ranks"]:
+        for layout in ("1d", "2d"):
+            run = res["activations"][layout]
+            tokens = 4 * SEQ // run["grid"]
+            stats = 2 * tokens * 4  # mean and rstd per token
+            # run["mlp"]: the MLP's input (here the norm's input) and its pre-activation
+            output = tokens * 64 // run["grid"] * 4 if layout == "1d" else 0
+            assert run["normed_mlp"] == run["mlp"] + stats + output

@@ -71,16 +71,39 @@ def _reduce(partial: torch.Tensor, *, dst: int, group) -> torch.Tensor:
     return partial
 
 
+def _save_input(ctx, x: torch.Tensor, weight: torch.Tensor, norm) -> None:
+    """Keep ``x`` for backward, or, when ``x`` is a grid layer norm's output (``norm``, see
+    :func:`_norm_recipe`), what recomputes it: the norm's input, which the norm keeps anyway, and
+    its per-token statistics. The normed output, ``1/q²`` of the layer's input, is then not kept."""
+    ctx.shape = x.shape
+    if norm is None:
+        ctx.norm = False
+        ctx.save_for_backward(x, weight)
+    else:
+        ctx.norm = True
+        ctx.save_for_backward(weight, *norm)
+
+
+def _saved_input(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, weight)`` as :func:`_save_input` kept them, ``x`` recomputed bit for bit."""
+    if not ctx.norm:
+        return ctx.saved_tensors
+    weight, norm_x, norm_weight, norm_bias, mean, rstd = ctx.saved_tensors
+    x = _normed(norm_x, norm_weight, norm_bias, mean, rstd)
+    return x.reshape(ctx.shape), weight
+
+
 class _SummaAB(torch.autograd.Function):
     """``Y = act(X) Wᵀ + b`` with ``W`` in the AB layout (module docstring); 2-D ``x`` of local
     rows. With an activation only ``x`` is kept: ``act(x)`` is recomputed in backward (the
-    saving of :func:`dtrain.runtime.models.common.activation_then_linear`)."""
+    saving of :func:`dtrain.runtime.models.common.activation_then_linear`); a layer norm's
+    output is recomputed from the norm's input (:func:`_save_input`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grid: Grid, act):
+    def forward(ctx, x, weight, bias, grid: Grid, act, norm):
         ctx.grid, ctx.act = grid, act
         ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
+        _save_input(ctx, x, weight, norm)
         xa = x if act is None else act(x)
         out = x.new_zeros(x.shape[0], weight.shape[0])
         for k in range(grid.q):
@@ -93,7 +116,7 @@ class _SummaAB(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight = _saved_input(ctx)
         grid = ctx.grid
         xa = x if ctx.act is None else ctx.act(x)
         grad_out = grad_out.contiguous()
@@ -116,16 +139,17 @@ class _SummaAB(torch.autograd.Function):
         if ctx.has_bias:  # the bias of out_j is every row's: sum the rows' tokens
             grad_b = grad_out.sum(0)
             dist.all_reduce(grad_b, group=grid.col_group)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _SummaABT(torch.autograd.Function):
-    """``Y = X Wᵀ`` with ``W`` in the ABT layout (module docstring); no bias."""
+    """``Y = X Wᵀ`` with ``W`` in the ABT layout (module docstring); no bias. A layer norm's
+    output is recomputed from the norm's input (:func:`_save_input`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, grid: Grid):
+    def forward(ctx, x, weight, grid: Grid, norm):
         ctx.grid = grid
-        ctx.save_for_backward(x, weight)
+        _save_input(ctx, x, weight, norm)
         out = None
         for k in range(grid.q):
             # Y[i][k] = sum_j X[i][j] W[out_k, in_j]ᵀ, reduced along row i to (i, k)
@@ -137,7 +161,7 @@ class _SummaABT(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight = _saved_input(ctx)
         grid = ctx.grid
         grad_out = grad_out.contiguous()
         grad_x = torch.zeros_like(x)
@@ -151,20 +175,44 @@ class _SummaABT(torch.autograd.Function):
             # dW[out_k, in_j] = sum_i dY[i][k]ᵀ X[i][j], reduced down column j to (k, j)
             got = _reduce(dyk.t() @ x, dst=grid.in_col(k), group=grid.col_group)
             grad_w = got if grid.row == k else grad_w
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 def summa_ab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: Grid,
              act=None) -> torch.Tensor:
     """``act(x)`` (..., in/q) times a local AB block, plus the local bias; (..., out/q)."""
     flat = x.reshape(-1, x.shape[-1])
-    return _SummaAB.apply(flat, weight, bias, grid, act).view(*x.shape[:-1], weight.shape[0])
+    norm = _norm_recipe(x) if act is None else None
+    return _SummaAB.apply(flat, weight, bias, grid, act, norm).view(*x.shape[:-1],
+                                                                    weight.shape[0])
 
 
 def summa_abt(x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
     """``x`` (..., in/q) times a local ABT block; (..., out/q)."""
     flat = x.reshape(-1, x.shape[-1])
-    return _SummaABT.apply(flat, weight, grid).view(*x.shape[:-1], weight.shape[0])
+    return _SummaABT.apply(flat, weight, grid, _norm_recipe(x)).view(*x.shape[:-1],
+                                                                     weight.shape[0])
+
+
+def _normed(x, weight, bias, mean, rstd) -> torch.Tensor:
+    """The grid layer norm's output from its input and statistics: the forward's operations in
+    its order (``x - mean`` is its ``centred``), so a recomputation is bit for bit its output."""
+    return (x - mean) * rstd * weight + bias
+
+
+def _norm_recipe(out: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """What recomputes ``out`` if it is a grid layer norm's output, unchanged since (its version
+    counter as the norm left it), or an alias of all of it (FSDP2 passes a module's outputs on
+    as ``view_as``); else None."""
+    recipe = getattr(out, "_grid_norm_recipe", None)
+    base = out._base
+    if recipe is None and base is not None and (
+            out.shape == base.shape and out.stride() == base.stride()
+            and out.storage_offset() == base.storage_offset() and out.dtype == base.dtype):
+        recipe = getattr(base, "_grid_norm_recipe", None)
+    if recipe is None or out._version != recipe[0]:
+        return None
+    return recipe[1:]
 
 
 class _GridLayerNorm(torch.autograd.Function):
@@ -185,7 +233,12 @@ class _GridLayerNorm(torch.autograd.Function):
         rstd = torch.rsqrt(var / size + eps)
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.size, ctx.grid = size, grid
-        return centred * rstd * weight + bias
+        out = centred * rstd * weight + bias  # = _normed(x, weight, bias, mean, rstd)
+        # what recomputes out (_norm_recipe): values only, the gradient reaches the norm
+        # through out as usual
+        out._grid_norm_recipe = (out._version, x.detach(), weight.detach(), bias.detach(),
+                                 mean, rstd)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -205,6 +258,8 @@ class _GridLayerNorm(torch.autograd.Function):
 
 def grid_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, eps: float,
                     size: int, grid: Grid) -> torch.Tensor:
+    """The output carries what recomputes it (:func:`_norm_recipe`): a SUMMA product that takes
+    it keeps that, not the output."""
     return _GridLayerNorm.apply(x, weight, bias, eps, size, grid)
 
 
