@@ -3,8 +3,9 @@
 Two spawns for the module, each running every configuration in one process group: 2 ranks
 (``pp 2``: GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble and ZBV), and 4 ranks posing as
 2 hosts × 2 (``pp 2 × shard 2``, one pipeline stage per host: the four schedules, 1F1B with two
-pipeline steps of gradient accumulation). The reference is the same GPT-NeoX (4 blocks, same
-seed) trained whole in each worker on the same global batch. 8 ranks with tensor parallelism:
+pipeline steps of gradient accumulation; ``pp 2 × 2 replicas`` for GPipe and zero-bubble). The
+reference is the same GPT-NeoX (4 blocks, same seed) trained whole in each worker on the same
+global batch. 8 ranks with tensor parallelism:
 ``test_pipeline_parallel_8_ranks.py``.
 
     pytest tests/integration/test_pipeline_parallel.py -q
@@ -34,6 +35,10 @@ FOUR_RANKS = {s: ({"pipeline_parallel_degree": 2, "sharding_degree": 2, "pipelin
 FOUR_RANKS["1f1b"][1]["accumulation"] = 2
 FOUR_RANKS["1f1b-reshard"] = ({"pipeline_parallel_degree": 2, "sharding_degree": 2,
                                "pipeline_schedule": "1f1b"}, {"reshard_after_forward": True})
+# pp 2 × 2 replicas (plain data parallel inside each stage)
+for s in ("gpipe", "interleaved-zero-bubble"):
+    FOUR_RANKS[f"{s}-replicate"] = ({"pipeline_parallel_degree": 2, "sharding_degree": 1,
+                                     "pipeline_schedule": s}, {})
 
 
 def _worker(rank: int, port: int, result_dir: str, *, world: int, per_host: int,
@@ -84,7 +89,7 @@ def test_pp2_on_two_ranks_matches_one_process(two, name):
 
 
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
-def test_pp2_by_shard2_on_four_ranks_matches_one_process(four, name):
+def test_pp2_on_four_ranks_matches_one_process(four, name):
     for res in four:
         assert_matches_one_process(res[name])
 
