@@ -5,25 +5,16 @@ MiCS-sharded over its host's 2 processes), end to end through the node agents.""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from _cli import dtrain
 from dtrain.core.metrics_format import parse_metrics
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def dtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
-                            text=True, timeout=timeout, env=dict(os.environ), check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def test_causal_lm_with_two_pipeline_stages_trains_on_two_hosts_by_two(tmp_path):

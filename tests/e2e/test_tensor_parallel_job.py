@@ -4,23 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _cli import dtrain
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def dtrain(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
-                            text=True, timeout=timeout, env=dict(os.environ), check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result
 
 
 def test_recipe_trains_at_tp_2_by_shard_2_with_falling_loss_and_exports_the_model():

@@ -93,6 +93,16 @@ def run_parity(rt, preset: str, distribution: dict, optimizer: str) -> tuple[dic
     return out, (model, ref)
 
 
+def assert_matches_one_process(run: dict, *, tol: float = 1e-6) -> None:
+    """A :func:`run_parity` result: losses and parameters within ``tol`` of one process, and the
+    gradient norms alike (relative 1e-5)."""
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(run["ref_losses"]),
+                               atol=tol, rtol=0)
+    assert run["param_error"] < tol
+    torch.testing.assert_close(torch.tensor(run["grad_norms"]),
+                               torch.tensor(run["ref_grad_norms"]), atol=0, rtol=1e-5)
+
+
 def spawn(worker, *, world: int, per_host: int, result_dir) -> list[dict]:
     """Run ``worker(rank, store_port, result_dir)`` on ``world`` spawned ranks (``per_host`` to a
     simulated host) and return what each pickled to ``result_dir/rank<r>.pkl``."""

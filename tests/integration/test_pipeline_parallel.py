@@ -18,7 +18,7 @@ import traceback
 import pytest
 import torch
 from _pipeline import run_parity
-from _tensor_parallel import join, spawn, write
+from _tensor_parallel import assert_matches_one_process, join, spawn, write
 
 pytestmark = pytest.mark.slow
 
@@ -72,14 +72,6 @@ def two(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def four(tmp_path_factory) -> list[dict]:
     return spawn(_four, world=4, per_host=2, result_dir=tmp_path_factory.mktemp("pp-4"))
-
-
-def assert_matches_one_process(run: dict) -> None:
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(run["ref_losses"]),
-                               atol=TOL, rtol=0)
-    assert run["param_error"] < TOL
-    torch.testing.assert_close(torch.tensor(run["grad_norms"]),
-                               torch.tensor(run["ref_grad_norms"]), atol=0, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", list(TWO_RANKS))
