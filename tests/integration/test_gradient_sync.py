@@ -11,12 +11,11 @@ the tests below judge.
 
 from __future__ import annotations
 
-import os
-import pickle
 import traceback
 
 import pytest
 import torch
+from _tensor_parallel import join, spawn, write
 from test_mics_sharding import SEQ, VOCAB, TinyLM, lm_loss
 from torch.distributed.fsdp import FSDPModule
 
@@ -88,11 +87,7 @@ def _train(rt, degree: int, accum: int, sync: str) -> dict:
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank % PER_HOST), WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(PER_HOST), GROUP_RANK=str(rank // PER_HOST),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-    torch.set_num_threads(1)
+    join(rank, port, world=WORLD, per_host=PER_HOST)
     results: dict = {}
     try:
         import dtrain.runtime as rt
@@ -103,26 +98,13 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
         torch.distributed.destroy_process_group()
     except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
         results["error"] = traceback.format_exc()
-    with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(results, f)
+    write(results, result_dir, rank)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    import torch.multiprocessing as mp
-    from torch.distributed import TCPStore
-
-    result_dir = tmp_path_factory.mktemp("gradient_sync")
-    store = TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False)
-    mp.start_processes(_worker, args=(store.port, str(result_dir)), nprocs=WORLD,
-                       start_method="spawn")
-    per_rank = []
-    for rank in range(WORLD):
-        with open(result_dir / f"rank{rank}.pkl", "rb") as f:
-            per_rank.append(pickle.load(f))
-    for rank, res in enumerate(per_rank):
-        assert "error" not in res, f"rank {rank} failed:\n{res['error']}"
-    return per_rank
+    return spawn(_worker, world=WORLD, per_host=PER_HOST,
+                 result_dir=tmp_path_factory.mktemp("gradient_sync"))
 
 
 pytestmark = pytest.mark.slow
