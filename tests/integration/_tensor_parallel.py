@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import traceback
 import warnings
 from pathlib import Path
 
@@ -130,6 +131,22 @@ def join(rank: int, port: int, *, world: int, per_host: int) -> None:
                       TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # DTensor's full_tensor() warnings in the checks
+
+
+def run_worker(rank: int, port: int, result_dir: str, *, world: int, per_host: int,
+               body) -> None:
+    """A spawned rank: join the world, let ``body(rt, results)`` fill ``results`` (``rt`` is
+    ``dtrain.runtime``), and write them, or the traceback that stopped it, for :func:`spawn`."""
+    join(rank, port, world=world, per_host=per_host)
+    results: dict = {}
+    try:
+        import dtrain.runtime as rt
+
+        body(rt, results)
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
+        results["error"] = traceback.format_exc()
+    write(results, result_dir, rank)
 
 
 def write(results: dict, result_dir: str, rank: int) -> None:

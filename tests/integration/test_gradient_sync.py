@@ -11,11 +11,9 @@ the tests below judge.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-from _tensor_parallel import join, spawn, write
+from _tensor_parallel import run_worker, spawn
 from test_mics_sharding import SEQ, VOCAB, TinyLM, lm_loss
 from torch.distributed.fsdp import FSDPModule
 
@@ -87,18 +85,12 @@ def _train(rt, degree: int, accum: int, sync: str) -> dict:
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
-    join(rank, port, world=WORLD, per_host=PER_HOST)
-    results: dict = {}
-    try:
-        import dtrain.runtime as rt
-
+    def body(rt, results: dict) -> None:
         for degree, accum in CONFIGS:
             for sync in ("fsdp", "overlapped"):
                 results[(degree, accum, sync)] = _train(rt, degree, accum, sync)
-        torch.distributed.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
-        results["error"] = traceback.format_exc()
-    write(results, result_dir, rank)
+
+    run_worker(rank, port, result_dir, world=WORLD, per_host=PER_HOST, body=body)
 
 
 @pytest.fixture(scope="module")

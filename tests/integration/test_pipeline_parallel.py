@@ -13,12 +13,9 @@ global batch. 8 ranks with tensor parallelism:
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
-import torch
 from _pipeline import run_parity
-from _tensor_parallel import assert_matches_one_process, join, spawn, write
+from _tensor_parallel import assert_matches_one_process, run_worker, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +40,11 @@ for s in ("gpipe", "interleaved-zero-bubble"):
 
 def _worker(rank: int, port: int, result_dir: str, *, world: int, per_host: int,
             configs: dict) -> None:
-    join(rank, port, world=world, per_host=per_host)
-    results: dict = {}
-    try:
-        import dtrain.runtime as rt
-
+    def body(rt, results: dict) -> None:
         for name, (distribution, options) in configs.items():
             results[name] = run_parity(rt, distribution, **options)
-        torch.distributed.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
-        results["error"] = traceback.format_exc()
-    write(results, result_dir, rank)
+
+    run_worker(rank, port, result_dir, world=world, per_host=per_host, body=body)
 
 
 def _two(rank, port, result_dir):

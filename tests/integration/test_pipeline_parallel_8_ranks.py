@@ -10,12 +10,9 @@ Spawned once for the module; eight processes on two cores take a minute or two.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
-import torch
 from _pipeline import run_parity
-from _tensor_parallel import assert_matches_one_process, join, spawn, write
+from _tensor_parallel import assert_matches_one_process, run_worker, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +22,11 @@ SCHEDULES = ["1f1b", "interleaved-zero-bubble"]
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
-    join(rank, port, world=WORLD, per_host=PER_HOST)
-    results: dict = {}
-    try:
-        import dtrain.runtime as rt
-
+    def body(rt, results: dict) -> None:
         for schedule in SCHEDULES:
             results[schedule] = run_parity(rt, {**LAYOUT, "pipeline_schedule": schedule})
-        torch.distributed.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
-        results["error"] = traceback.format_exc()
-    write(results, result_dir, rank)
+
+    run_worker(rank, port, result_dir, world=WORLD, per_host=PER_HOST, body=body)
 
 
 @pytest.fixture(scope="module")

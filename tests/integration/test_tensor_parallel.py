@@ -12,7 +12,6 @@ after SGD steps (AdamW's near-sign step amplifies float noise; its losses are co
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
@@ -22,11 +21,10 @@ from _tensor_parallel import (
     VOCAB,
     build,
     full,
-    join,
     lm_loss,
     run_parity,
+    run_worker,
     spawn,
-    write,
 )
 
 WORLD = 4
@@ -152,11 +150,7 @@ def _export(model, ref, folder: str) -> torch.Tensor:
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
-    join(rank, port, world=WORLD, per_host=WORLD)  # one host: tensor-parallel groups inside it
-    results: dict = {}
-    try:
-        import dtrain.runtime as rt
-
+    def body(rt, results: dict) -> None:
         for index, config in enumerate(CONFIGS):
             results[config_id(config)], (model, ref) = run_parity(rt, *config)
             if index in EXPORTED:
@@ -164,10 +158,9 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
                 results[f"logits-{config_id(config)}"] = _export(model, ref, folder)
         results["checkpoints"] = _run_checkpoints(rt, os.path.join(result_dir, "ckpt"))
         results["activations"] = _run_activations(rt)
-        torch.distributed.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
-        results["error"] = traceback.format_exc()
-    write(results, result_dir, rank)
+
+    # one host: tensor-parallel groups inside it
+    run_worker(rank, port, result_dir, world=WORLD, per_host=WORLD, body=body)
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,8 @@ Spawned once for the module; eight processes on two cores take about a minute.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
-import torch
-from _tensor_parallel import assert_matches_one_process, join, run_parity, spawn, write
+from _tensor_parallel import assert_matches_one_process, run_parity, run_worker, spawn
 
 WORLD, PER_HOST = 8, 4
 TOL = 1e-6
@@ -27,17 +24,11 @@ CONFIGS = {
 
 
 def _worker(rank: int, port: int, result_dir: str) -> None:
-    join(rank, port, world=WORLD, per_host=PER_HOST)
-    results: dict = {}
-    try:
-        import dtrain.runtime as rt
-
+    def body(rt, results: dict) -> None:
         for name, distribution in CONFIGS.items():
             results[name], _ = run_parity(rt, "gpt-neox-tiny", distribution, "sgd")
-        torch.distributed.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- reported to the test process, which fails with it
-        results["error"] = traceback.format_exc()
-    write(results, result_dir, rank)
+
+    run_worker(rank, port, result_dir, world=WORLD, per_host=PER_HOST, body=body)
 
 
 @pytest.fixture(scope="module")
