@@ -35,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 WORLD = 4
@@ -82,15 +83,12 @@ def _measure(rank: int, port: int, out_dir: str, layout: str, args: argparse.Nam
         tokens = torch.randint(0, args.vocab, (micro_batch, args.seq + 1), generator=data)
         start = time.perf_counter()
         with ctx.micro_step(model, boundary=True):
-            if saved is None:
-                logits = model(tokens[:, :-1])
-            else:
-                with saved_activations(model) as record:
-                    logits = model(tokens[:, :-1])
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            # the logits are not held through backward, as in the trainer's loss functions
+            with saved_activations(model) if saved is not None else nullcontext() as record:
+                loss = F.cross_entropy(model(tokens[:, :-1]).float().flatten(0, 1),
+                                       tokens[:, 1:].flatten())
+            if saved is not None:
                 saved.append(record.bytes)
-            if saved is None:
-                loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
