@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
+import _cli
 import pytest
 
 EXAMPLE = "entry_point: recipe:causal_lm\nhyperparameters: {model: pythia-70m}\n"
 
-
-def dtrain(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    # check=False: the exit code is what these tests assert on
-    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=60, check=False)
+# check=False: the exit code is what these tests assert on
+dtrain = partial(_cli.dtrain, check=False, timeout=60)
 
 
 @pytest.fixture
@@ -105,10 +101,9 @@ def test_submit_dry_run_prints_the_plan_then_the_request(spec_file):
 def test_expensive_ec2_launch_needs_yes_and_launches_nothing_without_it(tmp_path):
     spec = str(Path(__file__).parents[2] / "examples" / "ec2-p4d.yaml")
     # no AWS call may happen before the answer: the endpoint is a closed local port
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
+    env = {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli.main", "submit", spec], input="",
-                            capture_output=True, text=True, timeout=60, env=env, check=False)
+    result = dtrain("submit", spec, input="", env=env)
     assert result.returncode == 1, result.stderr
     assert "not launched" in result.stderr and "pass --yes" in result.stderr
     assert "Traceback" not in result.stderr

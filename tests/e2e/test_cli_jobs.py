@@ -3,39 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
+import _cli
 import pytest
-import yaml
+from _cli import write_job
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 
-
-def dtrain(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
-                            text=True, timeout=timeout, env=dict(os.environ), check=False)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
-
-
-def write_job(tmp_path, script: str, **compute) -> str:
-    code = tmp_path / "code"
-    code.mkdir(exist_ok=True)
-    (code / "train.py").write_text(textwrap.dedent(script))
-    spec = {"name": "cli-job", "entry_point": "train.py", "source_dir": "code",
-            "compute": {"instance_type": "local", "max_run": 120, **compute}}
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return str(path)
+dtrain = partial(_cli.dtrain, timeout=180)
 
 
 def status_of(job: str) -> dict:

@@ -8,29 +8,18 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
+from functools import partial
 
+import _cli
 import pytest
 from dtrain.jobs import api as jobs
 from dtrain.jobs.store import JobStore
 
-
-def dtrain(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
-                          text=True, timeout=120, check=False, **kwargs)
-
-
-def write_job(tmp_path, script: str, **compute) -> str:
-    code = tmp_path / "code"
-    code.mkdir(exist_ok=True)
-    (code / "train.py").write_text(textwrap.dedent(script))
-    spec = tmp_path / "job.yaml"
-    compute = {"instance_type": "local", "instance_count": 1, "processes_per_instance": 1,
-               "max_run": 120, **compute}
-    spec.write_text(json.dumps({"name": "patient", "entry_point": "train.py",
-                                "source_dir": str(code), "compute": compute}))
-    return str(spec)
+# check=False: the exit code is what these tests assert on
+dtrain = partial(_cli.dtrain, check=False, timeout=120)
+write_job = partial(_cli.write_job, name="patient", absolute_source_dir=True, instance_count=1,
+                    processes_per_instance=1)
 
 
 def _interrupt_waiting_submit(spec: str, *extra: str) -> tuple[subprocess.CompletedProcess, str]:

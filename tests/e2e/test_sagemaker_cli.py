@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tarfile
 import time
+from functools import partial
 from pathlib import Path
 
+import _cli
 import pytest
 from dtrain.testing import moto_aws  # noqa: F401
 
@@ -23,13 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sagemaker-p4d.yaml"
 BUCKET = "dtrain-e2e"
 
-
-def dtrain(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ), check=False)
-    if check:
-        assert done.returncode == 0, done.stderr
-    return done
+dtrain = partial(_cli.dtrain, timeout=120)
 
 
 def source_with_secrets(tmp_path: Path) -> Path:

@@ -7,14 +7,13 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
+from functools import partial
 
+import _cli
 from dtrain.jobs.store import JobStore
 
-
-def dtrain(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dtrain.cli.main", *args], capture_output=True,
-                          text=True, timeout=60, check=False, env={**os.environ, **env})
+# check=False: the exit code is what these tests assert on
+dtrain = partial(_cli.dtrain, check=False, timeout=60)
 
 
 def stored_jobs(count: int) -> JobStore:
@@ -83,6 +82,6 @@ def test_a_row_with_damaged_json_is_listed_as_unreadable_and_the_rest_still_work
 def test_an_unwritable_home_is_one_line_naming_the_folder(tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
-    error = one_line_error(dtrain("list", DTRAIN_HOME=str(blocker / "home")))
+    error = one_line_error(dtrain("list", env={"DTRAIN_HOME": str(blocker / "home")}))
     assert f"cannot create the job store's folder '{blocker / 'home'}'" in error
     assert "set DTRAIN_HOME" in error
