@@ -211,6 +211,7 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
         except RuntimeError as exc:
             print(f"{group[0].label:<18} accum {group[0].accum}: FAILED: "
                   f"{str(exc).splitlines()[-1]}", flush=True)
+            print(f"{group[0].label} failed:\n{exc}", file=sys.stderr, flush=True)  # the agent's log
             continue
         for row, res in zip(group, measured):
             res["compute_s"] = compute[(row.micro_batch, row.accum)]
