@@ -19,6 +19,7 @@ from _tensor_parallel import (
     MICRO_BATCH,
     SEQ,
     VOCAB,
+    assert_matches_one_process,
     build,
     full,
     lm_loss,
@@ -177,13 +178,9 @@ pytestmark = pytest.mark.slow
 def test_losses_and_parameters_match_one_process_within_1e_6(results, config):
     for res in results["ranks"]:
         run = res[config_id(config)]
-        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(run["ref_losses"]),
-                                   atol=TOL, rtol=0)
-        assert run["param_error"] < TOL
-        assert run["names_kept"]
         # the clipped norm spans parameters split on dp x tp, dp alone, or the 2-D grid
-        torch.testing.assert_close(torch.tensor(run["grad_norms"]),
-                                   torch.tensor(run["ref_grad_norms"]), atol=0, rtol=1e-5)
+        assert_matches_one_process(run, tol=TOL)
+        assert run["names_kept"]
         assert min(run["ref_grad_norms"]) > 1.0  # so clipping did scale the gradients
 
 
