@@ -12,10 +12,13 @@ import os
 import pickle
 import traceback
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 STEPS, MICRO_BATCH, SEQ, VOCAB = 3, 2, 8, 512
 
@@ -152,3 +155,39 @@ def run_worker(rank: int, port: int, result_dir: str, *, world: int, per_host: i
 def write(results: dict, result_dir: str, rank: int) -> None:
     with open(os.path.join(result_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
+
+
+class AllocationPeak(TorchDispatchMode):
+    """The most bytes of new tensors alive at once inside the block: outputs of the ops that run
+    in it, not views or in-place results of storages that already existed, each counted until
+    its last tensor is collected. Exact for a block's own temporaries (unlike the resident set);
+    what autograd saves counts while the block still holds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, tensors alive]
+        self.now = self.peak = 0
+
+    def _release(self, pointer: int) -> None:
+        entry = self.live[pointer]
+        entry[1] -= 1
+        if not entry[1]:
+            self.now -= self.live.pop(pointer)[0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        plain = [t for t in tree_leaves((args, kwargs)) if type(t) is torch.Tensor]
+        known = {t.untyped_storage().data_ptr() for t in plain}
+        for tensor in tree_leaves(out):
+            if type(tensor) is not torch.Tensor:
+                continue
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer in known or not pointer:
+                continue
+            entry = self.live.setdefault(pointer, [tensor.untyped_storage().nbytes(), 0])
+            if not entry[1]:
+                self.now += entry[0]
+                self.peak = max(self.peak, self.now)
+            entry[1] += 1
+            weakref.finalize(tensor, self._release, pointer)
+        return out

@@ -177,20 +177,23 @@ class _GridCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         peak = logits.max(-1, keepdim=True).values
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=grid.row_group)
-        exp = torch.exp(logits - peak)
-        total = exp.sum(-1, keepdim=True)
-        dist.all_reduce(total, group=grid.row_group)
         local = target - vocab_first
         mine = (local >= 0) & (local < logits.shape[-1])
         picked = logits.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked, 0.0)
         dist.all_reduce(picked, group=grid.row_group)
+        # one logits-sized tensor beside the logits, not three: the shifted logits are
+        # exponentiated and then normalised in place (the step's peak is here at large batches)
+        probs = torch.sub(logits, peak).exp_()
+        total = probs.sum(-1, keepdim=True)
+        dist.all_reduce(total, group=grid.row_group)
+        probs /= total
         kept = target != ignore_index
         losses = torch.where(kept, torch.log(total.squeeze(-1)) + peak.squeeze(-1) - picked, 0.0)
         sums = torch.stack([losses.sum(), kept.sum().to(losses.dtype)])
         dist.all_reduce(sums, group=grid.col_group)
         count = sums[1].clamp(min=1.0) if mean else torch.ones(())
-        ctx.save_for_backward(exp / total, torch.where(mine, local, -1), kept, count)
+        ctx.save_for_backward(probs, torch.where(mine, local, -1), kept, count)
         return sums[0] / count
 
     @staticmethod
