@@ -158,10 +158,10 @@ def write(results: dict, result_dir: str, rank: int) -> None:
 
 
 class AllocationPeak(TorchDispatchMode):
-    """The most bytes of new tensors alive at once inside the block: outputs of the ops that run
-    in it, not views or in-place results of storages that already existed, each counted until
-    its last tensor is collected. Exact for a block's own temporaries (unlike the resident set);
-    what autograd saves counts while the block still holds it."""
+    """The most bytes of new storages alive at once inside the block: outputs of the ops that run
+    in it that are not views or in-place results of their inputs, each counted until the tensor
+    that created it is collected (views of it are not followed). Exact for a block's own
+    temporaries, unlike the resident set."""
 
     def __init__(self):
         super().__init__()
