@@ -23,8 +23,15 @@ write_job = partial(_cli.write_job, name="patient", absolute_source_dir=True, in
 
 
 def _interrupt_waiting_submit(spec: str, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli.main", "submit", spec, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # A terminal's Ctrl-C reaches a foreground process whose SIGINT is at its default. A test run
+    # started in the background (`cmd &` in a script) has SIGINT ignored, which its children
+    # would inherit; a handled signal is reset to the default in a child at exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli.main", "submit", spec, *extra],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     first = proc.stdout.readline()  # "submitted <id> (...)"
     job = first.split()[1]
     deadline = time.monotonic() + 60
