@@ -182,8 +182,8 @@ class _GridCrossEntropy(torch.autograd.Function):
         picked = logits.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked, 0.0)
         dist.all_reduce(picked, group=grid.row_group)
-        # one logits-sized tensor beside the logits, not three: the shifted logits are
-        # exponentiated and then normalised in place (the step's peak is here at large batches)
+        # one logits-sized fp32 tensor beside the logits, not three: the shifted logits are
+        # exponentiated and then normalised in place (the step's peak was here at large batches)
         probs = torch.sub(logits, peak).exp_()
         total = probs.sum(-1, keepdim=True)
         dist.all_reduce(total, group=grid.row_group)
