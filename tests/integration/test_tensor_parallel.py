@@ -122,7 +122,8 @@ def _run_activations(rt) -> dict:
         out[name] = {"model": whole.bytes}
         if name in ("1d", "2d"):
             out[name] |= _mlp_activations(model, ctx.plan.tp_grid or 1, ctx.plan.tp)
-    out["2d"] |= _cross_entropy_allocations(ctx, model, tokens)
+        if name == "2d":
+            out[name] |= _cross_entropy_allocations(ctx, model, tokens)
     return out
 
 
