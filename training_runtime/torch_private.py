@@ -1,7 +1,7 @@
 """Every private torch name the runtime uses, in one place, checked against the torch it runs on.
 
 torch's elastic agent offers no public hook to stop it from restarting workers that stopped on
-purpose, nor to read its workers' exit codes; FSDP2's custom all-gather takes an instance of a
+purpose, to read its workers' exit codes, nor to act after it shut its rendezvous down; FSDP2's custom all-gather takes an instance of a
 class that lives in a private module; activation checkpointing's wrapper and the default process
 group have no public import path either; DTensor's collectives (tensor parallelism) go through
 the private functional-collectives module, where the communication statistics count them; the
@@ -49,6 +49,10 @@ PRIVATE_AGENT_ATTRIBUTES = ("_pcontext", "_remaining_restarts")
 # each round's workers a fresh store on a new port instead of the agent's store of round 0. With
 # the shared one, restarted workers find the keys of the workers they replace (gloo addresses,
 # barrier counts) and connect to dead ports or wait forever.
+# What ``HookedElasticAgent.rendezvous_shut_down`` relies on: torch's launcher shuts the
+# rendezvous down through the handler of the spec the agent was built with.
+LAUNCHER_SHUTS_DOWN_THE_RENDEZVOUS = ("torch.distributed.launcher.api", "launch_agent",
+                                      "spec.rdzv_handler.shutdown()")
 FRESH_WORKER_STORE_ENV = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
@@ -70,6 +74,9 @@ def missing_private_names() -> list[str]:
                      if cls.__module__.startswith("torch."))
     missing += [f"LocalElasticAgent.{name}" for name in PRIVATE_AGENT_ATTRIBUTES
                 if f"self.{name} =" not in source and f"self.{name}:" not in source]
+    module, function, call = LAUNCHER_SHUTS_DOWN_THE_RENDEZVOUS
+    if call not in inspect.getsource(getattr(importlib.import_module(module), function)):
+        missing.append(f"{module}.{function}'s {call}")
     module, variable = FRESH_WORKER_STORE_ENV
     if variable not in inspect.getsource(importlib.import_module(module)):
         missing.append(f"{module}'s {variable} switch")
@@ -173,8 +180,24 @@ class HookedElasticAgent(_local_elastic_agent()):
     * ``workers_checked(result)`` after every monitoring pass;
     * ``keep_restarting(result) -> bool`` after a monitoring pass that found a failure (False:
       spend no restart on it);
-    * ``workers_shut_down(exit_codes)`` with each worker's exit code (local rank -> code).
+    * ``workers_shut_down(exit_codes)`` with each worker's exit code (local rank -> code);
+    * ``rendezvous_shut_down()`` once torch's launcher has shut the rendezvous down, the last
+      thing it does with the agents' store before it returns.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # launch_agent ends with spec.rdzv_handler.shutdown() on the spec it built this agent
+        # with (LAUNCHER_SHUTS_DOWN_THE_RENDEZVOUS); there is no hook after it.
+        handler = self.get_worker_group().spec.rdzv_handler
+        shut_down = handler.shutdown
+
+        def shutdown() -> bool:
+            closed = shut_down()
+            self.rendezvous_shut_down()
+            return closed
+
+        handler.shutdown = shutdown
 
     def workers_started(self) -> None:
         pass
@@ -186,6 +209,9 @@ class HookedElasticAgent(_local_elastic_agent()):
         return True
 
     def workers_shut_down(self, exit_codes: dict[int, int | None]) -> None:
+        pass
+
+    def rendezvous_shut_down(self) -> None:
         pass
 
     def _start_workers(self, worker_group):

@@ -61,10 +61,12 @@ def make_job(tmp_path, script: str, *, hosts=("algo-1",), hyperparameters=None,
     return roots
 
 
-def start_agent(root, *, port=None, grace=None):
+def start_agent(root, *, port=None, grace=None, path=None):
     env = dict(os.environ, DTRAIN_MASTER_ADDR="127.0.0.1")
     if port:
         env["DTRAIN_MASTER_PORT"] = str(port)
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(path), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "dtrain.runtime", "--root", str(root)]
     if grace is not None:
         cmd += ["--grace-period", str(grace)]
@@ -92,6 +94,36 @@ def test_sagemaker_toolkit_script_runs_unchanged_on_two_hosts(tmp_path):
     model = json.loads((roots[0] / "model/model.json").read_text())
     assert model == {"epochs": 2, "words": 3, "world": 2, "hosts": ["algo-1", "algo-2"]}
     assert (roots[1] / "output/logs/rank-1.stdout.log").exists()
+
+
+# Loaded by the second host's agent only (PYTHONPATH): its rendezvous shutdown starts 2 s late,
+# as on a slower node, while host 0's agent, whose process holds the rendezvous store, is done.
+LATE_SHUTDOWN = """
+import time
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+shutdown = dynamic_rendezvous.DynamicRendezvousHandler.shutdown
+def late(self):
+    time.sleep(2)
+    return shutdown(self)
+dynamic_rendezvous.DynamicRendezvousHandler.shutdown = late
+"""
+
+
+def test_a_host_that_shuts_the_rendezvous_down_late_still_ends_without_a_traceback(tmp_path):
+    roots = make_job(tmp_path, SAGEMAKER_SCRIPT, hosts=("algo-1", "algo-2"),
+                     hyperparameters={"epochs": 2}, channels=["train"])
+    for root in roots:
+        (root / "input/data/train/data.txt").write_text("one two three")
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "sitecustomize.py").write_text(LATE_SHUTDOWN)
+    port = free_port()
+    agents = [start_agent(roots[0], port=port), start_agent(roots[1], port=port, path=late)]
+    outputs = [a.communicate(timeout=90)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    # before host 0 waited for it, the late agent's store had gone: "sendBytes failed ...
+    # Broken pipe", a C++ stack and "failed to shutdown the rendezvous"
+    assert "TCPStore" not in outputs[1] and "failed to shutdown" not in outputs[1], outputs[1]
 
 
 def test_sigterm_stops_workers_within_the_grace_period(tmp_path, live_processes):

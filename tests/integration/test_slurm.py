@@ -20,6 +20,7 @@ from pathlib import Path
 import _slurm_cluster
 import pytest
 from dtrain import Estimator
+from dtrain.core import logformat
 from dtrain.jobs import api as jobs
 
 pytestmark = pytest.mark.slurm
@@ -80,11 +81,13 @@ def test_main_example_runs_on_two_nodes_with_falling_loss(shared, cluster):
     assert (model / "model.safetensors").stat().st_size > 100_000
     assert (model / "config.json").exists()
     # every rank ran on the node Slurm gave it, and dtrain logs reads their files
-    lines = list(jobs.logs(record.id))
-    metrics = {line.split("]:")[0] for line in lines if "]:dtrain-metrics " in line}
-    assert metrics == {"[n1 0"}, "rank 0 logs the metrics"
-    on_n2 = {line.split("]:")[0] for line in jobs.logs(record.id, host="n2") if "]:" in line}
-    assert on_n2 == {"[n2 2", "[n2 3"}
+    on = {host: list(jobs.logs(record.id, host=host)) for host in ("n1", "n2")}
+    metrics = {(host, logformat.rank_of(line)) for host, lines in on.items() for line in lines
+               if "dtrain-metrics " in line}
+    assert metrics == {("n1", 0)}, "rank 0 logs the metrics"
+    assert {logformat.rank_of(line) for line in on["n2"]} - {None} == {2, 3}
+    # n2's agent shut the rendezvous down while n1's agent still held its store
+    assert not [line for lines in on.values() for line in lines if "TCPStore" in line]
     assert cluster.node_processes() == []
 
 

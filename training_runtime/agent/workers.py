@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 import os
 import signal
 import sys
@@ -22,9 +23,12 @@ from dtrain.core import contract as c
 from dtrain.core import instances, logformat
 from dtrain.runtime import torch_private
 from dtrain.runtime.agent import secrets
+from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig
+
+logger = logging.getLogger(__name__)  # under the node agent's logger
 
 
 @dataclass(frozen=True)
@@ -202,9 +206,11 @@ class InterruptionAwareAgent(torch_private.HookedElasticAgent):
     worker was seen running, the earliest a worker killed by a signal can have died.
     """
 
-    def __init__(self, *args, watch: WorkerWatch, **kwargs):
+    def __init__(self, *args, watch: WorkerWatch, holds_store: bool, **kwargs):
         super().__init__(*args, **kwargs)
         self.watch = watch
+        self.holds_store = holds_store
+        self.succeeded = False
 
     def workers_started(self) -> None:
         self.watch.healthy_until = time.time()
@@ -217,6 +223,7 @@ class InterruptionAwareAgent(torch_private.HookedElasticAgent):
     def workers_checked(self, result) -> None:
         if not result.is_failed():
             self.watch.healthy_until = time.time()
+        self.succeeded = result.state == WorkerState.SUCCEEDED
 
     def keep_restarting(self, result) -> bool:
         return not is_interruption(result.failures)
@@ -225,12 +232,49 @@ class InterruptionAwareAgent(torch_private.HookedElasticAgent):
         self.watch.exit_codes.clear()
         self.watch.exit_codes.update(exit_codes)
 
+    def rendezvous_shut_down(self) -> None:
+        group = self.get_worker_group()
+        # Only after a success did every agent pass the exit barrier, so that every one will
+        # depart; after a failure the store's host leaves at once.
+        if group.store is not None and (self.succeeded or not self.holds_store):
+            depart(group.store, holds_store=self.holds_store, agents=group.group_world_size)
+
+
+# Host 0's agent holds the rendezvous store, and the other agents still use it after the exit
+# barrier, to shut the rendezvous down. Had its process left first, their shutdown failed with a
+# C++ traceback ("sendBytes failed ... Broken pipe") and "failed to shutdown the rendezvous" in
+# the logs of a job that succeeded. Each agent says here that it is done with the store; the
+# host keeps the store until all have, or DEPARTURE_WAIT_S has passed.
+DEPARTED_KEY = "dtrain.agents-departed"
+DEPARTURE_WAIT_S = 30.0
+
+
+def depart(store, *, holds_store: bool, agents: int, wait_s: float = DEPARTURE_WAIT_S) -> bool:
+    """Record this agent's departure, or, on the store's host, wait for the other ``agents - 1``
+    agents' (True when they all departed in time)."""
+    if not holds_store:
+        try:
+            store.add(DEPARTED_KEY, 1)
+        except (RuntimeError, ValueError):  # c10d's DistError; the host already left
+            return False
+        return True
+    deadline = time.monotonic() + wait_s
+    while store.add(DEPARTED_KEY, 0) < agents - 1:
+        if time.monotonic() > deadline:
+            logger.info("%d of %d other agent(s) had not left the rendezvous after %.0f s; "
+                     "closing its store", agents - 1 - store.add(DEPARTED_KEY, 0), agents - 1,
+                     wait_s)
+            return False
+        time.sleep(0.05)
+    return True
+
 
 def launch(config: LaunchConfig, command: WorkerCommand, watch: WorkerWatch) -> None:
     """``elastic_launch`` with :class:`InterruptionAwareAgent` as the agent it builds."""
     try:
         torch_private.launch(config, command.executable, command.args,
-                             functools.partial(InterruptionAwareAgent, watch=watch))
+                             functools.partial(InterruptionAwareAgent, watch=watch,
+                                               holds_store=config.rdzv_configs["is_host"]))
     finally:
         # The workers are gone; a SIGTERM now (a stop racing the job's end) must not cut the
         # agent's report short with a traceback.
