@@ -1,17 +1,19 @@
 """Every private torch name the runtime uses, in one place, checked against the torch it runs on.
 
 torch's elastic agent offers no public hook to stop it from restarting workers that stopped on
-purpose, to read its workers' exit codes, nor to act after it shut its rendezvous down; FSDP2's custom all-gather takes an instance of a
-class that lives in a private module; activation checkpointing's wrapper and the default process
-group have no public import path either; DTensor's collectives (tensor parallelism) go through
-the private functional-collectives module, where the communication statistics count them; the
+purpose, to read its workers' exit codes, nor to act after it shut its rendezvous down; FSDP2's
+custom all-gather takes an instance of a class that lives in a private module; activation
+checkpointing's wrapper and the default process group have no public import path either;
+DTensor's collectives (tensor parallelism) go through the private functional-collectives module,
+where the communication statistics count them; the 2-D cross-entropy finds the LM head's product
+behind its logits through DTensor's conversions, whose autograd functions are private; the
 overlapped gradient sync waits for its communicator in an autograd final callback, which only
-the private execution engine queues; FSDP2
-has no getter for whether a module reshards after forward, which pipelining's zero-bubble
-schedules must not do. They are reached only through this module, which was
-checked on the torch range of :mod:`dtrain.core.torch_support`. ``check_torch`` runs when the
-node agent starts, so an image with an unsupported torch fails at once with one line naming its
-torch and the range, not in the middle of a job; a test fails when a name disappears.
+the private execution engine queues; FSDP2 has no getter for whether a module reshards after
+forward, which pipelining's zero-bubble schedules must not do. They are reached only through
+this module, which was checked on the torch range of :mod:`dtrain.core.torch_support`.
+``check_torch`` runs when the node agent starts, so an image with an unsupported torch fails at
+once with one line naming its torch and the range, not in the middle of a job; a test fails when
+a name disappears.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ PRIVATE_NAMES = (
     # fsdp_reshards_after_forward reads FSDPState._fsdp_param_groups[i].post_forward_mesh_info
     ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState"),
     ("torch.distributed.fsdp._fully_shard._fsdp_param_group", "FSDPParamGroup"),
+    # value_source passes their backward nodes (VALUE_PRESERVING_NODES)
+    ("torch.distributed.tensor._api", "_ToTorchTensor"),
+    ("torch.distributed.tensor._api", "_FromTorchTensor"),
 )
 # private members of torch's elastic agent that ``HookedElasticAgent`` overrides or reads
 PRIVATE_AGENT_METHODS = ("_start_workers", "_monitor_workers", "_shutdown")
@@ -163,6 +168,30 @@ def resolve_functional_group(group: Any) -> Any:
     if isinstance(resolved, dist.ProcessGroup):
         return resolved
     return dist.distributed_c10d._resolve_process_group(resolved)
+
+
+# Autograd nodes that pass a tensor's values on unchanged: views, and DTensor's conversions to
+# and from its local tensor (the backward nodes of private functions of torch.distributed.tensor).
+VALUE_PRESERVING_NODES = ("ViewBackward0", "AliasBackward0", "_ToTorchTensorBackward",
+                          "_FromTorchTensorBackward")
+
+
+CAST_NODE = "ToCopyBackward0"  # .to(dtype), .float(), ...
+
+
+def value_source(tensor: torch.Tensor, *, through_a_cast: bool = False) -> tuple[Any, bool]:
+    """The autograd node that computed ``tensor``'s values (None for a tensor without one): its
+    ``grad_fn``, followed back through :data:`VALUE_PRESERVING_NODES` and, when asked, one cast
+    (whether it is lossless is the caller's to judge); and whether a cast was passed."""
+    node, cast = tensor.grad_fn, False
+    while node is not None and (type(node).__name__ in VALUE_PRESERVING_NODES or (
+            through_a_cast and not cast and type(node).__name__ == CAST_NODE)):
+        cast = cast or type(node).__name__ == CAST_NODE
+        inputs = [previous for previous, _ in node.next_functions if previous is not None]
+        if len(inputs) != 1:
+            return None, cast
+        node = inputs[0]
+    return node, cast
 
 
 # ---------------------------------------------------------------- torch elastic's agent

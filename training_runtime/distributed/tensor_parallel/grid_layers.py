@@ -19,8 +19,12 @@ from dtrain.runtime.distributed.tensor_parallel.layouts import children as child
 from dtrain.runtime.distributed.tensor_parallel.layouts import present, share_heads
 from dtrain.runtime.distributed.tensor_parallel.optimus import (
     Grid,
+    abt_source,
     grid_layer_norm,
+    mark_abt_output,
+    recompute_abt,
     shared_parameter,
+    slices,
     summa_ab,
     summa_abt,
 )
@@ -161,18 +165,25 @@ class GridHead(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = summa_abt(x, self.weight.to_local(), self.grid)
         shape = (x.shape[0] * self.grid.q, *x.shape[1:-1], self.out_features)
-        return DTensor.from_local(logits, self.grid.mesh, [Shard(0), Shard(logits.ndim - 1)],
-                                  run_check=False, shape=torch.Size(shape),
-                                  stride=torch.empty(shape, device="meta").stride())
+        out = DTensor.from_local(logits, self.grid.mesh, [Shard(0), Shard(logits.ndim - 1)],
+                                 run_check=False, shape=torch.Size(shape),
+                                 stride=torch.empty(shape, device="meta").stride())
+        mark_abt_output(out)  # the cross-entropy recomputes these logits while unchanged
+        return out
 
 
 class _GridCrossEntropy(torch.autograd.Function):
     """Mean (or sum) cross-entropy of logits split by batch (grid rows) and vocabulary (grid
-    columns); every rank returns the same loss, and its backward is local to each rank."""
+    columns); every rank returns the same loss, and its backward is local to each rank.
+
+    Given ``head``, the LM head's product that made the logits (:func:`.optimus.abt_source`), it
+    keeps no logits-sized tensor for backward: its backward makes the logits again from what the
+    head keeps for its own backward, with one more SUMMA product, and turns them into the
+    gradient in place. Without it, it keeps the probabilities."""
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, mean, grid: Grid):
-        ctx.dtype = logits.dtype
+    def forward(ctx, logits, target, ignore_index, mean, grid: Grid, head):
+        ctx.dtype, ctx.grid = logits.dtype, grid
         vocab_first = grid.col * logits.shape[-1]
         logits = logits.float()
         peak = logits.max(-1, keepdim=True).values
@@ -182,28 +193,42 @@ class _GridCrossEntropy(torch.autograd.Function):
         picked = logits.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked, 0.0)
         dist.all_reduce(picked, group=grid.row_group)
-        # one logits-sized fp32 tensor beside the logits, not three: the shifted logits are
-        # exponentiated and then normalised in place (the step's peak was here at large batches)
-        probs = torch.sub(logits, peak).exp_()
-        total = probs.sum(-1, keepdim=True)
+        if head is None:
+            # one logits-sized fp32 tensor beside the logits, not three: the shifted logits are
+            # exponentiated and then normalised in place
+            probs = torch.sub(logits, peak).exp_()
+            total = probs.sum(-1, keepdim=True)
+        else:  # the sums only, a slice of rows at a time
+            total = torch.cat([torch.sub(logits[rows], peak[rows]).exp_().sum(-1, keepdim=True)
+                               for rows in slices(*logits.shape, logits.element_size())])
         dist.all_reduce(total, group=grid.row_group)
-        probs /= total
         kept = target != ignore_index
         losses = torch.where(kept, torch.log(total.squeeze(-1)) + peak.squeeze(-1) - picked, 0.0)
         sums = torch.stack([losses.sum(), kept.sum().to(losses.dtype)])
         dist.all_reduce(sums, group=grid.col_group)
         count = sums[1].clamp(min=1.0) if mean else torch.ones(())
-        ctx.save_for_backward(probs, torch.where(mine, local, -1), kept, count)
+        if head is None:
+            probs /= total
+            ctx.save_for_backward(torch.where(mine, local, -1), kept, count, probs)
+        else:
+            ctx.save_for_backward(torch.where(mine, local, -1), kept, count, peak, total)
+        ctx.head = head
         return sums[0] / count
 
     @staticmethod
     def backward(ctx, grad):
-        probs, local, kept, count = ctx.saved_tensors
-        grad_logits = probs.clone()
+        local, kept, count, *kept_for_grad = ctx.saved_tensors
+        if ctx.head is not None:
+            peak, total = kept_for_grad
+            # the forward's probabilities, by its operations in its order
+            grad_logits = recompute_abt(ctx.head).float().sub_(peak).exp_().div_(total)
+            ctx.head = None
+        else:
+            grad_logits = kept_for_grad[0].clone()
         rows = torch.nonzero(local >= 0).squeeze(-1)
         grad_logits[rows, local[rows]] -= 1.0
         grad_logits *= (kept.unsqueeze(-1) * (grad / count)).to(grad_logits.dtype)
-        return grad_logits.to(ctx.dtype), None, None, None, None
+        return grad_logits.to(ctx.dtype), None, None, None, None, None
 
 
 def _grid_logits(value) -> bool:
@@ -230,7 +255,7 @@ def _cross_entropy(logits: DTensor, target: torch.Tensor, weight=None, size_aver
     local = logits.to_local()
     rows = target.reshape(grid.q, -1)[grid.row]
     loss = _GridCrossEntropy.apply(local.reshape(-1, local.shape[-1]), rows.reshape(-1),
-                                   ignore_index, reduction == "mean", grid)
+                                   ignore_index, reduction == "mean", grid, abt_source(logits))
     return loss
 
 

@@ -26,10 +26,12 @@ all-gathers the weight and returns full-size gradients (measured on torch 2.13).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from dtrain.runtime import torch_private
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -142,40 +144,69 @@ class _SummaAB(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+# The LM head's products and the grid's cross-entropy work on slices of this many bytes of
+# logits at a time: their temporaries are a slice, not another logits-sized tensor, beside the
+# logits while every block's activations are kept.
+SLICE_BYTES = 8 * 2**20
+
+
+def slices(rows: int, cols: int, element_size: int) -> list[slice]:
+    """Consecutive slices of ``rows`` whose ``rows × cols`` blocks hold at most SLICE_BYTES."""
+    step = max(1, SLICE_BYTES // max(1, cols * element_size))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _abt_product(x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """``X Wᵀ`` with ``W`` in the ABT layout, 2-D ``x`` of local rows; a new tensor. The partial
+    products for the other ranks of the row are reduced a slice of rows at a time."""
+    out = x.new_empty(x.shape[0], weight.shape[0])
+    for k in range(grid.q):
+        # Y[i][k] = sum_j X[i][j] W[out_k, in_j]ᵀ, reduced along row i to (i, k)
+        wk = _broadcast(weight, owner=grid.row == k, src=grid.in_col(k),
+                        group=grid.col_group, shape=weight.shape)
+        for rows in slices(x.shape[0], weight.shape[0], x.element_size()):
+            partial = torch.mm(x[rows], wk.t(), out=out[rows] if grid.col == k else None)
+            _reduce(partial, dst=grid.in_row(k), group=grid.row_group)
+    return out
+
+
 class _SummaABT(torch.autograd.Function):
-    """``Y = X Wᵀ`` with ``W`` in the ABT layout (module docstring); no bias. A layer norm's
-    output is recomputed from the norm's input (:func:`_save_input`)."""
+    """``Y = X Wᵀ`` with ``W`` in the ABT layout (module docstring); no bias. Keeps ``x`` itself,
+    even a layer norm's output: the LM head's logits are recomputed from it (:func:`abt_source`)
+    while the final norm's weight may be resharded, and ``x`` is small beside the logits."""
 
     @staticmethod
-    def forward(ctx, x, weight, grid: Grid, norm):
+    def forward(ctx, x, weight, grid: Grid):
         ctx.grid = grid
-        _save_input(ctx, x, weight, norm)
-        out = None
-        for k in range(grid.q):
-            # Y[i][k] = sum_j X[i][j] W[out_k, in_j]ᵀ, reduced along row i to (i, k)
-            wk = _broadcast(weight, owner=grid.row == k, src=grid.in_col(k),
-                            group=grid.col_group, shape=weight.shape)
-            got = _reduce(x @ wk.t(), dst=grid.in_row(k), group=grid.row_group)
-            out = got if grid.col == k else out
-        return out
+        ctx.save_for_backward(x, weight)
+        # for abt_source and recompute_abt: what the output is made from, until this backward
+        # runs (mark_abt_output adds the output's version as its caller hands it on)
+        ctx.made_from = (x.detach(), weight.detach())
+        return _abt_product(x, weight, grid)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = _saved_input(ctx)
+        ctx.made_from = None
+        x, weight = ctx.saved_tensors
         grid = ctx.grid
         grad_out = grad_out.contiguous()
         grad_x = torch.zeros_like(x)
         grad_w = None
         for k in range(grid.q):
-            dyk = _broadcast(grad_out, owner=grid.col == k, src=grid.in_row(k),
-                             group=grid.row_group, shape=(x.shape[0], weight.shape[0]))
             wk = _broadcast(weight, owner=grid.row == k, src=grid.in_col(k),
                             group=grid.col_group, shape=weight.shape)
-            grad_x.addmm_(dyk, wk)  # dX[i][j] = sum_k dY[i][k] W[out_k, in_j]
+            partial = torch.zeros_like(weight)
+            # dY[i][k] a slice of rows at a time: a rank holds one slice of another's logits
+            for rows in slices(x.shape[0], weight.shape[0], grad_out.element_size()):
+                dyk = _broadcast(grad_out[rows], owner=grid.col == k, src=grid.in_row(k),
+                                 group=grid.row_group, shape=(rows.stop - rows.start,
+                                                              weight.shape[0]))
+                grad_x[rows].addmm_(dyk, wk)  # dX[i][j] = sum_k dY[i][k] W[out_k, in_j]
+                partial.addmm_(dyk.t(), x[rows])  # dY[i][k]ᵀ X[i][j]
             # dW[out_k, in_j] = sum_i dY[i][k]ᵀ X[i][j], reduced down column j to (k, j)
-            got = _reduce(dyk.t() @ x, dst=grid.in_col(k), group=grid.col_group)
+            got = _reduce(partial, dst=grid.in_col(k), group=grid.col_group)
             grad_w = got if grid.row == k else grad_w
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None
 
 
 def summa_ab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: Grid,
@@ -190,8 +221,53 @@ def summa_ab(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, g
 def summa_abt(x: torch.Tensor, weight: torch.Tensor, grid: Grid) -> torch.Tensor:
     """``x`` (..., in/q) times a local ABT block; (..., out/q)."""
     flat = x.reshape(-1, x.shape[-1])
-    return _SummaABT.apply(flat, weight, grid, _norm_recipe(x)).view(*x.shape[:-1],
-                                                                     weight.shape[0])
+    return _SummaABT.apply(flat, weight, grid).view(*x.shape[:-1], weight.shape[0])
+
+
+def mark_abt_output(out: torch.Tensor) -> None:
+    """Note on the :func:`summa_abt` product behind ``out`` (through views and DTensor's
+    conversions) ``out`` and its version now. Call it on the tensor the caller hands on, a
+    DTensor where it is one: DTensor's views share the DTensor's version counter, not their local
+    tensors'."""
+    node, _ = torch_private.value_source(out)
+    if getattr(node, "made_from", None) is not None:
+        node.output, node.output_version = weakref.ref(out), out._version
+
+
+def abt_source(out: torch.Tensor):
+    """The backward node of the :func:`summa_abt` product that ``out`` came from through views,
+    DTensor's conversions and at most one cast to fp32 (exact from bf16, fp16), unchanged since
+    (an in-place change through autograd would stand between; one without it changes the
+    version :func:`mark_abt_output` noted), with its backward not run yet; else None.
+    ``recompute_abt(node)`` cast to ``out``'s dtype is ``out`` again. After a cast, the marked
+    output must still be referenced: its version is what says it did not change before the cast.
+
+    None too when the product's weight is no longer gathered: an LM head tied to the embedding
+    is in the root's FSDP unit, which reshards after forward (an untied head's unit does not)."""
+    node, cast = torch_private.value_source(out, through_a_cast=out.dtype == torch.float32)
+    if getattr(node, "made_from", None) is None or getattr(node, "output", None) is None:
+        return None
+    _, weight = node.made_from
+    if cast:  # the product's output, still alive to read its version, and a fresh cast of it
+        marked = node.output()
+        unchanged = (marked is not None and marked._version == node.output_version
+                     and out._version == 0 and out.device == weight.device
+                     and weight.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    else:
+        unchanged = out._version == node.output_version
+    return node if unchanged and weight.untyped_storage().size() else None
+
+
+def recompute_abt(node) -> torch.Tensor:
+    """The output of the :func:`summa_abt` product that ``node`` (:func:`abt_source`) is the
+    backward of, bit for bit (the same products and reductions in the same order), from the
+    tensors the product keeps for its own backward; a new tensor. Run before that backward."""
+    x, weight = node.made_from
+    if weight.untyped_storage().size() == 0:
+        raise RuntimeError("the LM head's gathered weight was freed before backward; the grid's "
+                           "cross-entropy needs it to recompute the logits (the head's FSDP "
+                           "unit must not reshard after forward)")
+    return _abt_product(x, weight, node.grid)
 
 
 def _normed(x, weight, bias, mean, rstd) -> torch.Tensor:
