@@ -50,14 +50,14 @@ PRIVATE_NAMES = (
 # private members of torch's elastic agent that ``HookedElasticAgent`` overrides or reads
 PRIVATE_AGENT_METHODS = ("_start_workers", "_monitor_workers", "_shutdown")
 PRIVATE_AGENT_ATTRIBUTES = ("_pcontext", "_remaining_restarts")
-# An undocumented switch of torch's c10d rendezvous (read by the agent at each round): "1" gives
-# each round's workers a fresh store on a new port instead of the agent's store of round 0. With
-# the shared one, restarted workers find the keys of the workers they replace (gloo addresses,
-# barrier counts) and connect to dead ports or wait forever.
 # What ``HookedElasticAgent.rendezvous_shut_down`` relies on: torch's launcher shuts the
 # rendezvous down through the handler of the spec the agent was built with.
 LAUNCHER_SHUTS_DOWN_THE_RENDEZVOUS = ("torch.distributed.launcher.api", "launch_agent",
                                       "spec.rdzv_handler.shutdown()")
+# An undocumented switch of torch's c10d rendezvous (read by the agent at each round): "1" gives
+# each round's workers a fresh store on a new port instead of the agent's store of round 0. With
+# the shared one, restarted workers find the keys of the workers they replace (gloo addresses,
+# barrier counts) and connect to dead ports or wait forever.
 FRESH_WORKER_STORE_ENV = ("torch.distributed.elastic.rendezvous.dynamic_rendezvous",
                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
@@ -203,7 +203,7 @@ def _local_elastic_agent() -> type:
 
 
 class HookedElasticAgent(_local_elastic_agent()):
-    """torch's local agent with four public hooks instead of its private methods:
+    """torch's local agent with five public hooks instead of its private methods:
 
     * ``workers_started()`` after each start of the worker group;
     * ``workers_checked(result)`` after every monitoring pass;

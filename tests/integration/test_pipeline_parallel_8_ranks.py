@@ -2,8 +2,7 @@
 stage per host, each stage MiCS-sharded over 2 ranks and split over 2 tensor-parallel ranks with
 sequence parallelism (its activations cross the stages as DTensors), against one process within
 1e-6: 1F1B, and interleaved zero-bubble (two stages per rank). Then ``pp 2 × tp 4`` with 2-D
-tensor parallelism (a 2 × 2 grid per stage), whose last stage's loss recomputes the LM head's
-logits in backward.
+tensor parallelism (a 2 × 2 grid per stage, 1F1B).
 
 Spawned once for the module; eight processes on two cores take a minute or two.
 

@@ -65,7 +65,7 @@ CASES = {  # dtype of the head, what happens to its logits, whether the loss rec
     "cast, then changed": (torch.bfloat16, lambda logits: changed_without_autograd(logits.float()),
                            False),
     "cast, the head's logits dropped": (torch.bfloat16, lambda logits: logits.float(), False),
-    "changed through autograd": (torch.float32, lambda logits: logits * 1.0, False),
+    "changed through autograd": (torch.float32, lambda logits: logits.mul_(1.0), False),
 }
 
 

@@ -234,10 +234,12 @@ class InterruptionAwareAgent(torch_private.HookedElasticAgent):
 
     def rendezvous_shut_down(self) -> None:
         group = self.get_worker_group()
-        # Only after a success did every agent pass the exit barrier, so that every one will
-        # depart; after a failure the store's host leaves at once.
+        # After a success every agent is at its end too (torch's exit barrier waited for them, or
+        # gave up after its timeout: DEPARTURE_WAIT_S bounds the wait); after a failure the
+        # store's host leaves at once. The others always say they are done.
         if group.store is not None and (self.succeeded or not self.holds_store):
-            depart(group.store, holds_store=self.holds_store, agents=group.group_world_size)
+            depart(group.store, holds_store=self.holds_store, agents=group.group_world_size,
+                   wait_s=DEPARTURE_WAIT_S)
 
 
 # Host 0's agent holds the rendezvous store, and the other agents still use it after the exit
@@ -249,7 +251,7 @@ DEPARTED_KEY = "dtrain.agents-departed"
 DEPARTURE_WAIT_S = 30.0
 
 
-def depart(store, *, holds_store: bool, agents: int, wait_s: float = DEPARTURE_WAIT_S) -> bool:
+def depart(store, *, holds_store: bool, agents: int, wait_s: float) -> bool:
     """Record this agent's departure, or, on the store's host, wait for the other ``agents - 1``
     agents' (True when they all departed in time)."""
     if not holds_store:
@@ -259,13 +261,17 @@ def depart(store, *, holds_store: bool, agents: int, wait_s: float = DEPARTURE_W
             return False
         return True
     deadline = time.monotonic() + wait_s
-    while store.add(DEPARTED_KEY, 0) < agents - 1:
-        if time.monotonic() > deadline:
-            logger.info("%d of %d other agent(s) had not left the rendezvous after %.0f s; "
-                     "closing its store", agents - 1 - store.add(DEPARTED_KEY, 0), agents - 1,
-                     wait_s)
-            return False
-        time.sleep(0.05)
+    try:  # runs in torch's finally: an error here must not turn a success into a failure
+        while (departed := store.add(DEPARTED_KEY, 0)) < agents - 1:
+            if time.monotonic() > deadline:
+                logger.warning("%d of %d other agent(s) had not left the rendezvous after "
+                               "%.0f s; closing its store", agents - 1 - departed, agents - 1,
+                               wait_s)
+                return False
+            time.sleep(0.05)
+    except (RuntimeError, ValueError) as exc:  # c10d's DistError
+        logger.warning("could not wait for the other agents to leave the rendezvous: %s", exc)
+        return False
     return True
 
 

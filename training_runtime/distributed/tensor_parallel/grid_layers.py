@@ -193,6 +193,11 @@ class _GridCrossEntropy(torch.autograd.Function):
         picked = logits.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked, 0.0)
         dist.all_reduce(picked, group=grid.row_group)
+        # every rank of the grid takes the same path: the recomputation's products are collective
+        agree = torch.tensor([head is not None], dtype=torch.int32)
+        for group in (grid.row_group, grid.col_group):
+            dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+        head = head if agree.item() else None
         if head is None:
             # one logits-sized fp32 tensor beside the logits, not three: the shifted logits are
             # exponentiated and then normalised in place
@@ -212,7 +217,7 @@ class _GridCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(torch.where(mine, local, -1), kept, count, probs)
         else:
             ctx.save_for_backward(torch.where(mine, local, -1), kept, count, peak, total)
-        ctx.head = head
+        ctx.head = head  # an ancestor of this node in the graph: no reference cycle
         return sums[0] / count
 
     @staticmethod
@@ -222,7 +227,6 @@ class _GridCrossEntropy(torch.autograd.Function):
             peak, total = kept_for_grad
             # the forward's probabilities, by its operations in its order
             grad_logits = recompute_abt(ctx.head).float().sub_(peak).exp_().div_(total)
-            ctx.head = None
         else:
             grad_logits = kept_for_grad[0].clone()
         rows = torch.nonzero(local >= 0).squeeze(-1)

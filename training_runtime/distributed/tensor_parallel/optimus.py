@@ -179,14 +179,13 @@ class _SummaABT(torch.autograd.Function):
     def forward(ctx, x, weight, grid: Grid):
         ctx.grid = grid
         ctx.save_for_backward(x, weight)
-        # for abt_source and recompute_abt: what the output is made from, until this backward
-        # runs (mark_abt_output adds the output's version as its caller hands it on)
+        # for abt_source and recompute_abt: what the output is made from (tensors kept for this
+        # backward anyway; mark_abt_output adds the output's version as its caller hands it on)
         ctx.made_from = (x.detach(), weight.detach())
         return _abt_product(x, weight, grid)
 
     @staticmethod
     def backward(ctx, grad_out):
-        ctx.made_from = None
         x, weight = ctx.saved_tensors
         grid = ctx.grid
         grad_out = grad_out.contiguous()
@@ -238,7 +237,7 @@ def abt_source(out: torch.Tensor):
     """The backward node of the :func:`summa_abt` product that ``out`` came from through views,
     DTensor's conversions and at most one cast to fp32 (exact from bf16, fp16), unchanged since
     (an in-place change through autograd would stand between; one without it changes the
-    version :func:`mark_abt_output` noted), with its backward not run yet; else None.
+    version :func:`mark_abt_output` noted); else None.
     ``recompute_abt(node)`` cast to ``out``'s dtype is ``out`` again. After a cast, the marked
     output must still be referenced: its version is what says it did not change before the cast.
 
@@ -261,7 +260,7 @@ def abt_source(out: torch.Tensor):
 def recompute_abt(node) -> torch.Tensor:
     """The output of the :func:`summa_abt` product that ``node`` (:func:`abt_source`) is the
     backward of, bit for bit (the same products and reductions in the same order), from the
-    tensors the product keeps for its own backward; a new tensor. Run before that backward."""
+    tensors the product keeps for its own backward; a new tensor."""
     x, weight = node.made_from
     if weight.untyped_storage().size() == 0:
         raise RuntimeError("the LM head's gathered weight was freed before backward; the grid's "
