@@ -82,11 +82,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sagemaker_toolkit_script_runs_unchanged_on_two_hosts(tmp_path):
+def two_host_sagemaker_job(tmp_path) -> list[Path]:
     roots = make_job(tmp_path, SAGEMAKER_SCRIPT, hosts=("algo-1", "algo-2"),
                      hyperparameters={"epochs": 2}, channels=["train"])
     for root in roots:
         (root / "input/data/train/data.txt").write_text("one two three")
+    return roots
+
+
+def test_sagemaker_toolkit_script_runs_unchanged_on_two_hosts(tmp_path):
+    roots = two_host_sagemaker_job(tmp_path)
     port = free_port()
     agents = [start_agent(root, port=port) for root in roots]
     outputs = [a.communicate(timeout=90)[0] for a in agents]
@@ -110,10 +115,7 @@ dynamic_rendezvous.DynamicRendezvousHandler.shutdown = late
 
 
 def test_a_host_that_shuts_the_rendezvous_down_late_still_ends_without_a_traceback(tmp_path):
-    roots = make_job(tmp_path, SAGEMAKER_SCRIPT, hosts=("algo-1", "algo-2"),
-                     hyperparameters={"epochs": 2}, channels=["train"])
-    for root in roots:
-        (root / "input/data/train/data.txt").write_text("one two three")
+    roots = two_host_sagemaker_job(tmp_path)
     late = tmp_path / "late"
     late.mkdir()
     (late / "sitecustomize.py").write_text(LATE_SHUTDOWN)

@@ -16,6 +16,7 @@ import pytest
 from dtrain.runtime.agent import workers
 from dtrain.runtime.agent.workers import DEPARTED_KEY, InterruptionAwareAgent, depart
 from torch.distributed import TCPStore
+from torch.distributed.elastic.agent.server.api import WorkerState
 
 
 @pytest.fixture
@@ -59,15 +60,16 @@ def test_a_single_host_does_not_wait(stores):
 class _Group:
     """What rendezvous_shut_down reads of torch's WorkerGroup."""
 
-    def __init__(self, store, agents: int):
-        self.store, self.group_world_size = store, agents
+    def __init__(self, store, agents: int, state: WorkerState):
+        self.store, self.group_world_size, self.state = store, agents, state
 
 
 def _agent(store, *, holds_store: bool, succeeded: bool, agents: int = 3):
     # the agent's hook alone, without a launch around it
     agent = InterruptionAwareAgent.__new__(InterruptionAwareAgent)
-    agent.holds_store, agent.succeeded = holds_store, succeeded
-    agent.get_worker_group = lambda: _Group(store, agents)
+    agent.holds_store = holds_store
+    state = WorkerState.SUCCEEDED if succeeded else WorkerState.FAILED
+    agent.get_worker_group = lambda: _Group(store, agents, state)
     return agent
 
 

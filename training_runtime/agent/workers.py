@@ -210,7 +210,6 @@ class InterruptionAwareAgent(torch_private.HookedElasticAgent):
         super().__init__(*args, **kwargs)
         self.watch = watch
         self.holds_store = holds_store
-        self.succeeded = False
 
     def workers_started(self) -> None:
         self.watch.healthy_until = time.time()
@@ -223,7 +222,6 @@ class InterruptionAwareAgent(torch_private.HookedElasticAgent):
     def workers_checked(self, result) -> None:
         if not result.is_failed():
             self.watch.healthy_until = time.time()
-        self.succeeded = result.state == WorkerState.SUCCEEDED
 
     def keep_restarting(self, result) -> bool:
         return not is_interruption(result.failures)
@@ -237,7 +235,8 @@ class InterruptionAwareAgent(torch_private.HookedElasticAgent):
         # After a success every agent is at its end too (torch's exit barrier waited for them, or
         # gave up after its timeout: DEPARTURE_WAIT_S bounds the wait); after a failure the
         # store's host leaves at once. The others always say they are done.
-        if group.store is not None and (self.succeeded or not self.holds_store):
+        succeeded = group.state == WorkerState.SUCCEEDED
+        if group.store is not None and (succeeded or not self.holds_store):
             depart(group.store, holds_store=self.holds_store, agents=group.group_world_size,
                    wait_s=DEPARTURE_WAIT_S)
 
