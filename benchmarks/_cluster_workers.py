@@ -167,16 +167,28 @@ def worker_train(args: argparse.Namespace) -> None:
         model = rt.shard(build_model(args.model), ctx)
         opt = adamw(model)
 
-        def one_step(batches: list, model=model, opt=opt, ctx=ctx) -> None:
+        sync, sync_steps = gradient_sync.attached(model), []
+
+        def one_step(batches: list, model=model, opt=opt, ctx=ctx, sync=sync,
+                     sync_steps=sync_steps) -> None:
             for micro in ctx.accumulate(model, batches):
                 micro.scale(lm_loss(model, micro.batch)).backward()
             opt.step()
             opt.zero_grad()
+            if sync is not None:
+                sync_steps.append(sync.timing())
+                sync.reset_timing()
 
         result = timed_steps(args, model.config.vocab_size, one_step, stats=ctx.comm_stats)
         results.append({**result, "gradient_sync": ctx.plan.gradient_sync})
-        sync = gradient_sync.attached(model)
         if sync is not None:
+            # the overlapped sync's own clocks over the measured steps, mean of the ranks
+            measured = sync_steps[args.warmup:]
+            mine = torch.tensor([statistics.median(t[key] for t in measured)
+                                 for key in ("busy_s", "exposed_s")], dtype=torch.float64)
+            torch.distributed.all_reduce(mine)
+            results[-1]["sync_busy_s"], results[-1]["sync_exposed_s"] = (
+                mine / torch.distributed.get_world_size()).tolist()
             sync.close()
     if torch.distributed.get_rank() == 0:
         Path(args.out).write_text(json.dumps({"rows": results}))

@@ -16,7 +16,9 @@ one per namespace) for each row of :data:`ROWS`. Every row trains the same model
 tokens. Each prints its step, tokens/s, the bytes that crossed the slow link, the link-time floor
 (those bytes ÷ the link's measured bandwidth per direction), efficiency = max(floor, compute) ÷
 step, and the planner's predicted step (``dtrain.planning.costmodel`` calibrated on this machine)
-with its ratio to the reference row beside the measured one. DeepSpeed rows need the optional
+with its ratio to the reference row beside the measured one. For the overlapped sync's rows it
+also prints the sync's own clocks: how long the replicas' all-reduce ran in a step and how much
+of it came after backward had ended (exposed). DeepSpeed rows need the optional
 ``bench`` extra (see ``_deepspeed_rows.py``: version, adaptations, parity check). The ``PP 2`` rows
 run dtrain's pipeline parallelism across the hosts, a stage per host (``_pipeline_rows.py``), on
 the same global batch.
@@ -302,6 +304,12 @@ def report(args, rows: list[Row], results: dict, link: float) -> None:
     mics = results.get((REFERENCE, 1, mb))
     line("MiCS efficiency against the link floor, accum 1", mics and mics["efficiency"],
          ">= 0.85", mics and mics["efficiency"] >= 0.85)
+    for micro in (mb, OVERLAP_MICRO_BATCH):
+        res = results.get((REFERENCE, 1, micro), {})
+        if "sync_busy_s" in res:
+            print(f"micro-batch {micro}, overlapped sync: the replicas' all-reduce ran "
+                  f"{res['sync_busy_s']:.2f} s of the {res['step_s']:.2f} s step; "
+                  f"{res['sync_exposed_s']:.2f} s of it after backward had ended (exposed)")
     over = results.get((REFERENCE, 1, OVERLAP_MICRO_BATCH))
     fsdp = results.get(("dtrain MiCS fsdp", 1, OVERLAP_MICRO_BATCH))
     if over and fsdp:

@@ -25,12 +25,18 @@ FSDP2's own HSDP path computes. (FSDP2's ``set_gradient_divide_factor`` cannot d
 division: on a partition group of one rank, torch 2.13 divides by it twice.) With gradient accumulation the buffers are filled on the
 boundary micro-step only (:func:`set_boundary`); earlier micro-steps only reduce-scatter and
 accumulate, so MiCS's 2-hop sync keeps its once-per-step all-reduce.
+
+What it hid is measured (:meth:`OverlappedGradientSync.timing`): the seconds the communicator
+spent all-reducing and the seconds the end of backward waited for it, which the Trainer logs as
+``sync_busy_s`` and ``sync_exposed_s``. The communicator's thread ends with the model (or at
+exit); :meth:`OverlappedGradientSync.close` ends it sooner.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -41,6 +47,7 @@ from dtrain.runtime import torch_private
 from torch import nn
 
 DEFAULT_BUFFER_BYTES = 4 * 2**20
+CLOSE_TIMEOUT_S = 10.0  # a communicator stuck in a collective (a peer died) does not hold exit
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, OverlappedGradientSync] = \
     weakref.WeakKeyDictionary()
 
@@ -65,6 +72,7 @@ def attach(model: nn.Module, group: dist.ProcessGroup, *, device: torch.device,
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(sync.on_gradient)
     _ATTACHED[model] = sync
+    weakref.finalize(model, sync.close)  # the thread goes with the model, or at exit
     return sync
 
 
@@ -103,6 +111,7 @@ class OverlappedGradientSync:
         self._dtype: torch.dtype | None = None
         self._current, self._fill, self._open = 0, 0, False
         self._copied_back: torch.Event | None = None
+        self.windows, self.wait_s = 0, 0.0  # see timing()
 
     # ---------------------------------------------------------------- backward (autograd thread)
 
@@ -159,7 +168,9 @@ class OverlappedGradientSync:
             return
         if self._fill:
             self._send(self.buffers[self._current][:self._fill])
+        start = time.perf_counter()
         self.communicator.wait()
+        self.windows, self.wait_s = self.windows + 1, self.wait_s + time.perf_counter() - start
         for seg in self.segments:
             source = self.buffers[seg.buffer][seg.offset:seg.offset + seg.numel]
             seg.grad[seg.start:seg.start + seg.numel].copy_(source, non_blocking=True)
@@ -168,7 +179,20 @@ class OverlappedGradientSync:
         self.segments.clear()
         self._current, self._fill, self._open = 0, 0, False
 
+    def timing(self) -> dict[str, float]:
+        """Since the last :meth:`reset_timing`: ``windows`` (backward passes that synced),
+        ``busy_s`` (seconds the communicator spent all-reducing, hidden or not) and
+        ``exposed_s`` (seconds the ends of backward waited for it: what was not hidden, including
+        waiting for a slower replica to hand over its shards)."""
+        return {"windows": self.windows, "busy_s": self.communicator.busy_s,
+                "exposed_s": self.wait_s}
+
+    def reset_timing(self) -> None:
+        self.windows, self.wait_s = 0, 0.0
+        self.communicator.busy_s = 0.0
+
     def close(self) -> None:
+        """End the communicator's thread (idempotent; the model's finalizer calls it)."""
         self.communicator.close()
 
 
@@ -182,6 +206,7 @@ class BackgroundCommunicator:
         self._pending = 0
         self._done = threading.Condition()
         self._error: BaseException | None = None
+        self.busy_s = 0.0  # seconds spent in all-reduces; written by the thread only
         self._thread = threading.Thread(target=self._run, name="dtrain-gradient-sync",
                                         daemon=True)
         self._thread.start()
@@ -200,8 +225,9 @@ class BackgroundCommunicator:
                 raise RuntimeError("overlapped gradient sync failed") from self._error
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(CLOSE_TIMEOUT_S)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -209,8 +235,10 @@ class BackgroundCommunicator:
             try:
                 if ready is not None:
                     ready.synchronize()
+                start = time.perf_counter()
                 dist.all_reduce(buffer, group=self.group)  # gloo has no AVG: sum, then divide
                 buffer.div_(self.group.size())
+                self.busy_s += time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiting thread
                 with self._done:
                     self._error = exc

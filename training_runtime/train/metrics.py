@@ -176,6 +176,16 @@ def comm_metrics(snapshot: dict[str, dict[str, float]], *, steps: int) -> dict[s
                                        + pipeline.get("inter_bytes", 0.0)) / steps}
 
 
+def gradient_sync_metrics(sync: Any, *, steps: int) -> dict[str, float]:
+    """Per optimizer step, the overlapped gradient sync's all-reduce seconds (``sync_busy_s``)
+    and the part of them backward's end waited for (``sync_exposed_s``: what the overlap did not
+    hide). This rank's figures; resets the sync's clocks."""
+    timing = sync.timing()
+    sync.reset_timing()
+    steps = max(steps, 1)
+    return {"sync_busy_s": timing["busy_s"] / steps, "sync_exposed_s": timing["exposed_s"] / steps}
+
+
 def pipeline_metrics(pipeline: Any, *, steps: int) -> dict[str, float]:
     """Per pipeline rank, the seconds its stages computed per step (``pp_rank<r>_compute_s``),
     and the measured bubble: the mean share of a step a rank did not compute (waiting for the

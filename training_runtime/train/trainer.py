@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dtrain.core.contract import PREEMPTED_EXIT_CODE  # noqa: F401 - recipes' exit code, shared
+from dtrain.runtime.distributed import gradient_sync
 from dtrain.runtime.distributed.pipeline import PipelineModel
 from dtrain.runtime.train import metrics as m
 from dtrain.runtime.train.checkpoint import CheckpointManager, save_hf_model
@@ -292,6 +293,8 @@ class Trainer:
         record.update(m.comm_metrics(self.ctx.comm_stats.snapshot(), steps=window.steps))
         if self.pipeline is not None:
             record.update(m.pipeline_metrics(self.pipeline, steps=window.steps))
+        elif (sync := gradient_sync.attached(self.model)) is not None:
+            record.update(m.gradient_sync_metrics(sync, steps=window.steps))
         self.ctx.comm_stats.reset()
         if self.scaler.enabled:
             record["loss_scale"] = self.scaler.scale
