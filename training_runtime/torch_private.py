@@ -31,6 +31,7 @@ from dtrain.core import torch_support
 # (module, attribute) of every private name used below
 PRIVATE_NAMES = (
     ("torch.distributed.fsdp._fully_shard._fsdp_api", "AllGather"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_api", "ReduceScatter"),
     ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"),
     ("torch.distributed.distributed_c10d", "_get_default_group"),
     ("torch", "_foreach_mul_"),
@@ -114,6 +115,13 @@ def fsdp_all_gather_base() -> type:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     return AllGather
+
+
+def fsdp_reduce_scatter_base() -> type:
+    """FSDP2's ``ReduceScatter`` comm interface, the base of a custom reduce-scatter."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    return ReduceScatter
 
 
 def fsdp_reshards_after_forward(module: torch.nn.Module) -> list[bool]:

@@ -1,6 +1,7 @@
 """The collectives a parallelism plan chooses (stdlib only): the hierarchical all-gather and the
 gradient sync. :func:`dtrain.core.parallelism.build_parallelism_plan` calls these once per plan;
-nothing else decides them.
+nothing else decides them. And, on gloo, how a partition group reduce-scatters
+(:func:`gloo_reduce_scatter_factor`), which the runtime and the cost model both read.
 """
 
 from __future__ import annotations
@@ -82,3 +83,24 @@ def gradient_sync(plan: ParallelismPlan, setting: Any, backend: str) -> str:
     if setting == "auto":
         return "overlapped" if plan.replica_group_spans_nodes and backend != "nccl" else "fsdp"
     return setting
+
+
+def gloo_reduce_scatter_factor(ranks: int, nodes: int) -> float:
+    """On gloo, the bytes a partition group's reduce-scatter puts on its busiest link, over a
+    ring's; dtrain takes the cheaper of gloo's and its own all-to-all reduce-scatter.
+
+    gloo's ``reduce_scatter_tensor`` runs as an all-reduce (measured): twice a ring's bytes. The
+    all-to-all reduce-scatter sends every rank its chunk and sums what it receives: a ring's
+    bytes inside a node; across ``k`` nodes of ``L = ranks / k`` ranks a node sends
+    ``L·(ranks-L)/ranks`` of the data where a ring sends ``(ranks-1)/ranks``. 1 = a ring's
+    bytes; 2 = gloo's own (kept where the all-to-all would move more).
+    """
+    if ranks <= 1 or nodes <= 1:
+        return 1.0
+    per_node = ranks / nodes
+    return min(2.0, per_node * (ranks - per_node) / (ranks - 1))
+
+
+def gloo_reduce_scatter_by_all_to_all(ranks: int, nodes: int) -> bool:
+    """Whether dtrain's all-to-all reduce-scatter replaces gloo's for such a group."""
+    return ranks > 1 and gloo_reduce_scatter_factor(ranks, nodes) < 2.0

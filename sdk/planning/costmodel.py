@@ -10,7 +10,9 @@ predictions next to measurements. Per GPU and per optimizer step of ``A`` micro-
   (each block, plus the root).
 * Collectives are rings over node-contiguous ranks. For a group of ``n`` ranks with ``k`` per
   node and a full tensor of ``S`` bytes, each rank moves ``S·(n-1)/n`` (all-gather,
-  reduce-scatter; twice that for all-reduce, and for gloo's reduce-scatter, which runs as one).
+  reduce-scatter; twice that for all-reduce). On gloo a partition group reduce-scatters with
+  dtrain's all-to-all where that moves less than gloo's own, which runs as an all-reduce
+  (:func:`dtrain.core.collective_choices.gloo_reduce_scatter_factor`).
   When the group spans nodes, a flat ring crosses each node boundary with the whole ring volume,
   so a node's NIC carries ``S·(n-1)/n`` and one GPU's share is ``S·(n-1)/(n·k)``. The
   hierarchical all-gather first gathers among the ``N`` ranks with the same local rank (a node's
@@ -44,6 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from dtrain.core.collective_choices import gloo_reduce_scatter_factor
 from dtrain.core.flops import flops_per_token
 
 GRAD_REDUCE_BYTES = 4
@@ -223,8 +226,8 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
     """Predict one optimizer step of FSDP2/MiCS at ``sharding_degree`` over ``tp``-way
     tensor-parallel ranks.
 
-    ``reduce_scatter_factor``: the reduce-scatter's bytes over a ring's; default 1 with NCCL
-    and 2 with gloo, whose ``reduce_scatter_tensor`` runs as an all-reduce (measured)."""
+    ``reduce_scatter_factor``: the reduce-scatter's bytes over a ring's; default
+    :func:`reduce_scatter_factor`."""
     world = cluster.world_size
     degree = sharding_degree
     units = work.num_layers + 1
@@ -238,7 +241,7 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
         gather = (hierarchical_allgather(params, **shape) if hierarchical and nodes > 1
                   else ring(params, **shape))
         if reduce_scatter_factor is None:
-            reduce_scatter_factor = default_reduce_scatter_factor(cluster)
+            reduce_scatter_factor = reduce_scatter_factor_of(cluster, ranks=degree, nodes=nodes)
         reduce = ring(grads, **shape, factor=reduce_scatter_factor)
     micro = Traffic()
     micro.add(gather, 2 * units)
@@ -277,10 +280,12 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
     )
 
 
-def default_reduce_scatter_factor(cluster: Cluster) -> float:
-    """A reduce-scatter's bytes over a ring's: 1 with NCCL, 2 with gloo, whose
-    ``reduce_scatter_tensor`` runs as an all-reduce (measured)."""
-    return 1 if cluster.overlaps_collectives else 2
+def reduce_scatter_factor_of(cluster: Cluster, *, ranks: int, nodes: int) -> float:
+    """A partition group's reduce-scatter bytes over a ring's: 1 with NCCL; on gloo, dtrain's
+    all-to-all or gloo's own (an all-reduce: 2), whichever moves less."""
+    if cluster.backend == "nccl":
+        return 1.0
+    return gloo_reduce_scatter_factor(ranks, nodes)
 
 
 def step_timeline(unit_compute: float, gather: float, reduce: float, all_reduce: float, *,

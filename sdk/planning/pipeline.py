@@ -167,7 +167,8 @@ def _stage_collectives(plan: ParallelismPlan, params: float, work: costmodel.Wor
     shape = {"ranks": plan.dp_shard, "nodes": nodes, "per_node": per_node, "cluster": cluster}
     gather = costmodel.ring(params * work.compute_bytes, **shape)
     reduce = costmodel.ring(params * costmodel.GRAD_REDUCE_BYTES, **shape,
-                            factor=costmodel.default_reduce_scatter_factor(cluster))
+                            factor=costmodel.reduce_scatter_factor_of(
+                                cluster, ranks=plan.dp_shard, nodes=nodes))
     r_nodes, r_per_node = costmodel.group_layout(plan.dp_replicate, stride=plan.dp_shard * plan.tp,
                                                  gpus_per_node=gpn)
     all_reduce = costmodel.ring(params * costmodel.GRAD_REDUCE_BYTES / plan.dp_shard,

@@ -38,6 +38,27 @@ class HeadLM(TinyLM):
         return self.lm_head(self.norm(x))
 
 
+_ALL_TO_ALL_CALLS = [0]  # dtrain's reduce-scatter calls in this process since the last pop
+
+
+def _count_all_to_all_reduce_scatters() -> None:
+    """Patch dtrain's reduce-scatter in this (spawned) process to count its calls."""
+    from dtrain.runtime.distributed.collectives import AllToAllReduceScatter
+
+    original = AllToAllReduceScatter.__call__
+
+    def counted(comm, *args, **kwargs):
+        _ALL_TO_ALL_CALLS[0] += 1
+        return original(comm, *args, **kwargs)
+
+    AllToAllReduceScatter.__call__ = counted
+
+
+def _pop_all_to_all_calls() -> int:
+    calls, _ALL_TO_ALL_CALLS[0] = _ALL_TO_ALL_CALLS[0], 0
+    return calls
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -51,6 +72,7 @@ def _train(rt, degree: int, accum: int, sync: str) -> dict:
     model = rt.shard(HeadLM(), ctx, fusion_buffer_bytes=BUFFER_BYTES)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     attached = gradient_sync.attached(model)
+    _pop_all_to_all_calls()
     out = {"plan_sync": ctx.plan.gradient_sync, "attached": attached is not None,
            "head_unit": isinstance(model.lm_head, FSDPModule),
            "fsdp_mesh": ctx.data_parallel_mesh.mesh_dim_names, "grads": [], "stats": [],
@@ -74,6 +96,7 @@ def _train(rt, degree: int, accum: int, sync: str) -> dict:
             if attached is not None:
                 out["per_micro"].append(len(attached.communicator.history) - before)
         out["stats"].append(ctx.comm_stats.snapshot())
+        out.setdefault("all_to_all_reduce_scatters", []).append(_pop_all_to_all_calls())
         out["grads"].append([_full(p.grad).clone() for p in model.parameters()])
         if attached is not None:
             out["history"].append(attached.communicator.history[before:])
@@ -84,8 +107,32 @@ def _train(rt, degree: int, accum: int, sync: str) -> dict:
     return out
 
 
+def _reduce_scatters(rt) -> dict:
+    """dtrain's all-to-all reduce-scatter against gloo's own, on the 4 ranks (2 hosts) and on
+    this rank's host (2 ranks), with an input that does not split into equal rows of 4."""
+    import torch.distributed as dist
+    from dtrain.runtime.distributed.collectives import AllToAllReduceScatter
+
+    rt.init()
+    rank, comm, out = dist.get_rank(), AllToAllReduceScatter(), {}
+    host = None
+    for members in ([0, 1], [2, 3]):  # new_group is collective: every rank makes every group
+        group = dist.new_group(members)
+        host = group if rank in members else host
+    for name, group in (("world", dist.group.WORLD), ("host", host)):
+        ranks = group.size()
+        data = torch.randn(ranks * 1001, generator=torch.Generator().manual_seed(rank))
+        ours, gloos = torch.empty(1001), torch.empty(1001)
+        comm(ours, data, group, dist.ReduceOp.SUM)
+        dist.reduce_scatter_tensor(gloos, data.clone(), group=group)
+        out[name] = (ours, gloos)
+    return out
+
+
 def _worker(rank: int, port: int, result_dir: str) -> None:
     def body(rt, results: dict) -> None:
+        results["reduce_scatters"] = _reduce_scatters(rt)
+        _count_all_to_all_reduce_scatters()
         for degree, accum in CONFIGS:
             for sync in ("fsdp", "overlapped"):
                 results[(degree, accum, sync)] = _train(rt, degree, accum, sync)
@@ -156,3 +203,20 @@ def test_the_same_bytes_cross_hosts_as_fsdp2_s_all_reduce(results, config):
             assert a["all_reduce"]["inter_bytes"] == pytest.approx(b["all_reduce"]["inter_bytes"])
             assert a["all_reduce"]["inter_bytes"] > 0
             assert a["reduce_scatter"] == b["reduce_scatter"]
+
+
+def test_dtrain_s_reduce_scatter_on_gloo_sums_as_gloo_s_own(results):
+    for res in results:
+        ours, gloos = res["reduce_scatters"]["host"]
+        assert torch.equal(ours, gloos)  # two ranks: the same additions
+        ours, gloos = res["reduce_scatters"]["world"]
+        torch.testing.assert_close(ours, gloos, rtol=TOLERANCE, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_partition_groups_on_one_host_reduce_scatter_with_dtrain_s_all_to_all(results, config):
+    degree, accum = config
+    for sync in ("fsdp", "overlapped"):
+        counts = results[0][(*config, sync)]["all_to_all_reduce_scatters"]
+        # one per FSDP unit (2 blocks, the head, the root) and micro-step; none without a group
+        assert counts == [4 * accum if degree == 2 else 0] * STEPS

@@ -133,3 +133,29 @@ def test_accumulation_pays_the_replica_all_reduce_once():
     four = costmodel.estimate_step(WORK, cpu_cluster(), sharding_degree=2, accumulation=4)
     assert four.exposed.all_reduce_s == pytest.approx(one.exposed.all_reduce_s)
     assert four.exposed.all_gather_s == pytest.approx(4 * one.exposed.all_gather_s)
+
+
+@pytest.mark.parametrize(("ranks", "nodes", "factor", "all_to_all"), [
+    (2, 1, 1.0, True),  # inside a node: a ring's bytes, where gloo's moves an all-reduce's
+    (4, 2, 4 / 3, True),  # 2 hosts × 2 (ZeRO-3 in the benchmark): a node sends 1 × S, not 1.5
+    (16, 2, 2.0, False),  # 2 nodes × 8: the all-to-all would move 64/15 of a ring: keep gloo's
+    (8, 8, 1.0, True),  # one rank per node: every chunk crosses once, as in a ring
+    (1, 1, 1.0, False),  # nothing to reduce
+])
+def test_on_gloo_a_partition_group_reduce_scatters_with_the_cheaper_of_two(ranks, nodes, factor,
+                                                                           all_to_all):
+    from dtrain.core.collective_choices import (
+        gloo_reduce_scatter_by_all_to_all,
+        gloo_reduce_scatter_factor,
+    )
+
+    assert gloo_reduce_scatter_factor(ranks, nodes) == pytest.approx(factor)
+    assert gloo_reduce_scatter_by_all_to_all(ranks, nodes) is all_to_all
+    per_node = max(1, ranks // nodes)
+    cluster = costmodel.Cluster(num_nodes=nodes, gpus_per_node=per_node, tflops_per_gpu=1.0,
+                                intra_gbytes_per_s=1.0, inter_gbits_per_s=1.0, backend="gloo")
+    assert costmodel.reduce_scatter_factor_of(cluster, ranks=ranks, nodes=nodes) == \
+        pytest.approx(factor)
+    nccl = costmodel.Cluster(num_nodes=nodes, gpus_per_node=per_node, tflops_per_gpu=1.0,
+                             intra_gbytes_per_s=1.0, inter_gbits_per_s=1.0)
+    assert costmodel.reduce_scatter_factor_of(nccl, ranks=ranks, nodes=nodes) == 1.0

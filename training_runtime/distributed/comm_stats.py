@@ -270,6 +270,13 @@ def uninstall(stats: CommStats) -> None:
         _active.remove(stats)
 
 
+def record_collective(kind: str, group: Any, full_bytes: int) -> None:
+    """Count one collective of ``kind`` that dtrain builds from calls the wrappers do not see
+    (its all-to-all reduce-scatter on gloo), in every active ``CommStats``."""
+    for stats in _active:
+        stats.record(kind, group, full_bytes)
+
+
 def _wrap(original: Callable, kind: str, size_of: Callable, group_pos: int, *,
           functional: bool = False) -> Callable:
     @functools.wraps(original)

@@ -35,7 +35,7 @@ from dtrain.core.parallelism import ParallelismPlan
 from dtrain.core.tensor_parallel import ModelDims
 from dtrain.runtime import torch_private
 from dtrain.runtime.distributed import gradient_sync
-from dtrain.runtime.distributed.collectives import HierarchicalAllGather
+from dtrain.runtime.distributed.collectives import HierarchicalAllGather, gloo_reduce_scatter
 from dtrain.runtime.distributed.context import RuntimeContext
 from dtrain.runtime.distributed.tensor_parallel import apply_tensor_parallel
 from torch import nn
@@ -238,6 +238,10 @@ def _configure_collectives(model: nn.Module, ctx: RuntimeContext, *,
         # gloo has no ReduceOp.AVG: reduce with SUM and let FSDP2 divide afterwards.
         for module in fsdp_modules:
             module.set_force_sum_reduction_for_comms(True)
+    reduce_scatter = gloo_reduce_scatter(ctx.plan) if ctx.backend == "gloo" else None
+    if reduce_scatter is not None:  # a ring's bytes where gloo's would move an all-reduce's
+        for module in fsdp_modules:
+            module.set_custom_reduce_scatter(reduce_scatter)
     if overlapped:  # FSDP2 averages over the partition group, gradient_sync over replicas
         gradient_sync.attach(model, ctx.replica_sync_group(), device=ctx.device,
                              buffer_bytes=fusion_buffer_bytes)
