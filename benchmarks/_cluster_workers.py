@@ -176,8 +176,7 @@ def worker_train(args: argparse.Namespace) -> None:
             opt.step()
             opt.zero_grad()
             if sync is not None:
-                sync_steps.append(sync.timing())
-                sync.reset_timing()
+                sync_steps.append(sync.take_timing())
 
         result = timed_steps(args, model.config.vocab_size, one_step, stats=ctx.comm_stats)
         results.append({**result, "gradient_sync": ctx.plan.gradient_sync})

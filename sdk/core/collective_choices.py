@@ -85,6 +85,16 @@ def gradient_sync(plan: ParallelismPlan, setting: Any, backend: str) -> str:
     return setting
 
 
+def group_layout(size: int, *, stride: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes spanned, members per node) of a group of ``size`` ranks ``stride`` apart, as the
+    cost model and the runtime's choice of reduce-scatter both count them."""
+    span = size * stride
+    if span <= gpus_per_node:
+        return 1, size
+    per_node = max(1, gpus_per_node // stride)
+    return max(1, size // per_node), per_node
+
+
 def gloo_reduce_scatter_factor(ranks: int, nodes: int) -> float:
     """On gloo, the bytes a partition group's reduce-scatter puts on its busiest link, over a
     ring's; dtrain takes the cheaper of gloo's and its own all-to-all reduce-scatter.
@@ -93,7 +103,8 @@ def gloo_reduce_scatter_factor(ranks: int, nodes: int) -> float:
     all-to-all reduce-scatter sends every rank its chunk and sums what it receives: a ring's
     bytes inside a node; across ``k`` nodes of ``L = ranks / k`` ranks a node sends
     ``L·(ranks-L)/ranks`` of the data where a ring sends ``(ranks-1)/ranks``. 1 = a ring's
-    bytes; 2 = gloo's own (kept where the all-to-all would move more).
+    bytes; 2 = gloo's own (kept where the all-to-all would move more). ``nodes`` comes from
+    :func:`group_layout`.
     """
     if ranks <= 1 or nodes <= 1:
         return 1.0

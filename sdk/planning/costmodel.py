@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from dtrain.core.collective_choices import gloo_reduce_scatter_factor
+from dtrain.core.collective_choices import gloo_reduce_scatter_factor, group_layout
 from dtrain.core.flops import flops_per_token
 
 GRAD_REDUCE_BYTES = 4
@@ -150,15 +150,6 @@ class StepEstimate:
         return {**asdict(self), "exposed_s": self.exposed.total_s, "fits": self.fits}
 
 
-def group_layout(size: int, *, stride: int, gpus_per_node: int) -> tuple[int, int]:
-    """(nodes spanned, members per node) of a group of ``size`` ranks ``stride`` apart."""
-    span = size * stride
-    if span <= gpus_per_node:
-        return 1, size
-    per_node = max(1, gpus_per_node // stride)
-    return max(1, size // per_node), per_node
-
-
 def ring(size_bytes: float, *, ranks: int, nodes: int, per_node: int, cluster: Cluster,
          factor: float = 1.0) -> Traffic:
     """One ring collective; ``factor`` 2 for all-reduce (reduce-scatter + all-gather)."""
@@ -227,7 +218,7 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
     tensor-parallel ranks.
 
     ``reduce_scatter_factor``: the reduce-scatter's bytes over a ring's; default
-    :func:`reduce_scatter_factor`."""
+    :func:`reduce_scatter_factor_of`."""
     world = cluster.world_size
     degree = sharding_degree
     units = work.num_layers + 1
@@ -282,7 +273,8 @@ def estimate_step(work: Workload, cluster: Cluster, *, sharding_degree: int,
 
 def reduce_scatter_factor_of(cluster: Cluster, *, ranks: int, nodes: int) -> float:
     """A partition group's reduce-scatter bytes over a ring's: 1 with NCCL; on gloo, dtrain's
-    all-to-all or gloo's own (an all-reduce: 2), whichever moves less."""
+    all-to-all or gloo's own (an all-reduce: 2), whichever moves less. ``nodes`` as
+    :func:`group_layout` gives it, as the runtime reads it."""
     if cluster.backend == "nccl":
         return 1.0
     return gloo_reduce_scatter_factor(ranks, nodes)

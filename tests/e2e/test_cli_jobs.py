@@ -96,7 +96,8 @@ def test_example_local_cpu_job_trains_two_hosts_by_two_processes():
     # sharding degree 2 on 2 hosts: the replicas' all-reduce crosses hosts, so `auto` overlaps it
     metrics = [json.loads(line) for line in
                (job_dir / "algo-1/output/data/metrics.jsonl").read_text().splitlines()]
-    assert metrics and all(m["sync_busy_s"] > 0 and m["sync_exposed_s"] >= 0 for m in metrics)
+    # the last buffer goes out only when backward ends: every step waits for some of the sync
+    assert metrics and all(m["sync_busy_s"] > 0 and m["sync_exposed_s"] > 0 for m in metrics)
     for host, ranks in (("algo-1", (0, 1)), ("algo-2", (2, 3))):
         for rank in ranks:
             assert (job_dir / host / f"output/logs/rank-{rank}.stdout.log").exists()

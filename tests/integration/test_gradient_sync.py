@@ -1,10 +1,11 @@
 """The overlapped gradient sync on real gloo groups: FSDP2's own gradients, computed otherwise.
 
 Four CPU processes pose as 2 hosts × 2 workers, spawned once for the module. Each worker trains
-the same model twice per configuration from the same start — ``gradient_sync: fsdp`` (FSDP2's
-HSDP all-reduce per block) and ``overlapped`` (fusion buffers all-reduced by the background
-communicator) — and records gradients, parameters, buffer traffic and the byte counters, which
-the tests below judge.
+the same model three times per configuration from the same start — ``gradient_sync: fsdp``
+(FSDP2's HSDP all-reduce per block) and ``overlapped`` (fusion buffers all-reduced by the
+background communicator), both with dtrain's all-to-all reduce-scatter in the partition groups,
+and ``stock``: ``fsdp`` with gloo's own reduce-scatter, the reference — and records gradients,
+parameters, buffer traffic and the byte counters, which the tests below judge.
 
     pytest tests/integration/test_gradient_sync.py -q
 """
@@ -64,12 +65,19 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(rt, degree: int, accum: int, sync: str) -> dict:
-    from dtrain.runtime.distributed import gradient_sync
+    from dtrain.runtime.distributed import collectives, gradient_sync, sharding
 
     ctx = rt.init(distribution={"sharding_degree": degree, "gradient_accumulation_steps": accum,
-                                "gradient_sync": sync})
+                                "gradient_sync": "fsdp" if sync == "stock" else sync})
     torch.manual_seed(0)
-    model = rt.shard(HeadLM(), ctx, fusion_buffer_bytes=BUFFER_BYTES)
+    chosen = sharding.gloo_reduce_scatter
+    if sync == "stock":  # FSDP2 with gloo's own reduce-scatter: nothing of dtrain's collectives
+        sharding.gloo_reduce_scatter = lambda plan: None
+    try:
+        model = rt.shard(HeadLM(), ctx, fusion_buffer_bytes=BUFFER_BYTES)
+    finally:
+        sharding.gloo_reduce_scatter = chosen
+    assert chosen is collectives.gloo_reduce_scatter
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     attached = gradient_sync.attached(model)
     _pop_all_to_all_calls()
@@ -109,7 +117,7 @@ def _train(rt, degree: int, accum: int, sync: str) -> dict:
 
 def _reduce_scatters(rt) -> dict:
     """dtrain's all-to-all reduce-scatter against gloo's own, on the 4 ranks (2 hosts) and on
-    this rank's host (2 ranks), with an input that does not split into equal rows of 4."""
+    this rank's host (2 ranks), in chunks of an odd number of elements."""
     import torch.distributed as dist
     from dtrain.runtime.distributed.collectives import AllToAllReduceScatter
 
@@ -134,7 +142,7 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
         results["reduce_scatters"] = _reduce_scatters(rt)
         _count_all_to_all_reduce_scatters()
         for degree, accum in CONFIGS:
-            for sync in ("fsdp", "overlapped"):
+            for sync in ("stock", "fsdp", "overlapped"):
                 results[(degree, accum, sync)] = _train(rt, degree, accum, sync)
 
     run_worker(rank, port, result_dir, world=WORLD, per_host=PER_HOST, body=body)
@@ -151,13 +159,14 @@ IDS = [f"degree{d}-accum{a}" for d, a in CONFIGS]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
-def test_gradients_and_parameters_equal_fsdp2_s_own_sync_within_1e_6(results, config):
+@pytest.mark.parametrize("sync", ["fsdp", "overlapped"])
+def test_gradients_and_parameters_equal_fsdp2_s_own_sync_within_1e_6(results, config, sync):
     for res in results:
-        fsdp, overlapped = res[(*config, "fsdp")], res[(*config, "overlapped")]
-        for step_fsdp, step_overlapped in zip(fsdp["grads"], overlapped["grads"]):
-            for a, b in zip(step_overlapped, step_fsdp):
+        stock, ours = res[(*config, "stock")], res[(*config, sync)]
+        for step_stock, step_ours in zip(stock["grads"], ours["grads"], strict=True):
+            for a, b in zip(step_ours, step_stock, strict=True):
                 torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=TOLERANCE)
-        for a, b in zip(overlapped["params"], fsdp["params"]):
+        for a, b in zip(ours["params"], stock["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=TOLERANCE, atol=TOLERANCE)
 
 
@@ -220,3 +229,4 @@ def test_partition_groups_on_one_host_reduce_scatter_with_dtrain_s_all_to_all(re
         counts = results[0][(*config, sync)]["all_to_all_reduce_scatters"]
         # one per FSDP unit (2 blocks, the head, the root) and micro-step; none without a group
         assert counts == [4 * accum if degree == 2 else 0] * STEPS
+    assert results[0][(*config, "stock")]["all_to_all_reduce_scatters"] == [0] * STEPS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -151,11 +152,37 @@ def test_on_gloo_a_partition_group_reduce_scatters_with_the_cheaper_of_two(ranks
 
     assert gloo_reduce_scatter_factor(ranks, nodes) == pytest.approx(factor)
     assert gloo_reduce_scatter_by_all_to_all(ranks, nodes) is all_to_all
-    per_node = max(1, ranks // nodes)
-    cluster = costmodel.Cluster(num_nodes=nodes, gpus_per_node=per_node, tflops_per_gpu=1.0,
-                                intra_gbytes_per_s=1.0, inter_gbits_per_s=1.0, backend="gloo")
-    assert costmodel.reduce_scatter_factor_of(cluster, ranks=ranks, nodes=nodes) == \
+    gloo = cpu_cluster()
+    assert costmodel.reduce_scatter_factor_of(gloo, ranks=ranks, nodes=nodes) == \
         pytest.approx(factor)
-    nccl = costmodel.Cluster(num_nodes=nodes, gpus_per_node=per_node, tflops_per_gpu=1.0,
-                             intra_gbytes_per_s=1.0, inter_gbits_per_s=1.0)
+    nccl = dataclasses.replace(gloo, backend="nccl")
     assert costmodel.reduce_scatter_factor_of(nccl, ranks=ranks, nodes=nodes) == 1.0
+
+
+@pytest.mark.parametrize(("nodes", "per_node", "degree"), [
+    (2, 2, 2), (2, 2, 4), (2, 8, 16), (3, 8, 12), (3, 4, 6), (4, 2, 8), (2, 4, 4),
+])
+def test_the_runtime_reduce_scatters_as_the_cost_model_counts(nodes, per_node, degree):
+    """The runtime's choice for a plan's partition groups, and the bytes the cost model gives
+    the same group on gloo, come from one layout and one rule (uneven groups included)."""
+    from dtrain.core.collective_choices import group_layout
+    from dtrain.core.parallelism import build_parallelism_plan
+    from dtrain.runtime.distributed.collectives import gloo_reduce_scatter
+
+    plan = build_parallelism_plan({"sharding_degree": degree}, world_size=nodes * per_node,
+                                  devices_per_node=per_node)
+    cluster = dataclasses.replace(cpu_cluster(), num_nodes=nodes, gpus_per_node=per_node)
+    spanned, _ = group_layout(degree, stride=1, gpus_per_node=per_node)
+    factor = costmodel.reduce_scatter_factor_of(cluster, ranks=degree, nodes=spanned)
+    assert (gloo_reduce_scatter(plan) is not None) == (factor < 2)
+    est = costmodel.estimate_step(WORK, cluster, sharding_degree=degree)
+    ring = costmodel.ring(WORK.num_parameters * costmodel.GRAD_REDUCE_BYTES / (WORK.num_layers + 1),
+                          ranks=degree, nodes=spanned, per_node=degree // spanned,
+                          cluster=cluster)
+    units = WORK.num_layers + 1
+    gather = costmodel.ring(WORK.num_parameters * WORK.compute_bytes / units, ranks=degree,
+                            nodes=spanned, per_node=degree // spanned, cluster=cluster)
+    # a step's partition-group bytes: 2 all-gathers and the reduce-scatter, per unit
+    assert est.micro_comm.intra_bytes + est.micro_comm.inter_bytes == pytest.approx(
+        units * (2 * (gather.intra_bytes + gather.inter_bytes)
+                 + factor * (ring.intra_bytes + ring.inter_bytes)))

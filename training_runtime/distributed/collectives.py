@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from dtrain.core.collective_choices import gloo_reduce_scatter_by_all_to_all
+from dtrain.core.collective_choices import gloo_reduce_scatter_by_all_to_all, group_layout
 from dtrain.runtime import torch_private
 from dtrain.runtime.distributed import comm_stats
 
@@ -129,6 +129,9 @@ class AllToAllReduceScatter(torch_private.fsdp_reduce_scatter_base()):
     gloo_reduce_scatter_factor` says where it is used). Sums of two ranks are bit-identical to
     gloo's; with more ranks the order of the additions differs (about 1e-7, relative, in fp32).
     FSDP2 asks gloo for ``SUM`` and divides itself (``set_force_sum_reduction_for_comms``).
+    It holds one more input-sized buffer while it runs (what it receives). ``comm_stats``
+    counts it as a reduce-scatter under its ring byte model, as every other collective; across
+    nodes the all-to-all puts more on the network than that (4/3 of it on 2 nodes × 2).
     """
 
     def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype,
@@ -139,7 +142,12 @@ class AllToAllReduceScatter(torch_private.fsdp_reduce_scatter_base()):
                  group: dist.ProcessGroup, op: object, async_op: bool = False) -> None:
         if op != dist.ReduceOp.SUM:
             raise ValueError(f"the all-to-all reduce-scatter sums; FSDP2 asked for {op}")
+        if async_op:
+            raise ValueError("the all-to-all reduce-scatter runs synchronously")
         ranks = group.size()
+        if input_tensor.numel() != ranks * output_tensor.numel():
+            raise ValueError(f"reduce-scatter of {input_tensor.numel()} elements over {ranks} "
+                             f"ranks into {output_tensor.numel()}")
         comm_stats.record_collective("reduce_scatter", group, input_tensor.nbytes)
         received = torch.empty_like(input_tensor)
         dist.all_to_all_single(received, input_tensor, group=group)
@@ -149,6 +157,7 @@ class AllToAllReduceScatter(torch_private.fsdp_reduce_scatter_base()):
 def gloo_reduce_scatter(plan: ParallelismPlan) -> AllToAllReduceScatter | None:
     """The reduce-scatter for ``plan``'s partition groups on gloo: dtrain's where it moves fewer
     bytes than gloo's own, else None (keep gloo's)."""
-    if gloo_reduce_scatter_by_all_to_all(plan.dp_shard, plan.shard_group_nodes):
+    nodes, _ = group_layout(plan.dp_shard, stride=plan.tp, gpus_per_node=plan.devices_per_node)
+    if gloo_reduce_scatter_by_all_to_all(plan.dp_shard, nodes):
         return AllToAllReduceScatter()
     return None

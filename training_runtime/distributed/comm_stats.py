@@ -271,8 +271,8 @@ def uninstall(stats: CommStats) -> None:
 
 
 def record_collective(kind: str, group: Any, full_bytes: int) -> None:
-    """Count one collective of ``kind`` that dtrain builds from calls the wrappers do not see
-    (its all-to-all reduce-scatter on gloo), in every active ``CommStats``."""
+    """Count one collective of ``kind`` in every active ``CommStats``: what the wrappers see,
+    and what dtrain builds from calls they do not (its all-to-all reduce-scatter on gloo)."""
     for stats in _active:
         stats.record(kind, group, full_bytes)
 
@@ -286,9 +286,7 @@ def _wrap(original: Callable, kind: str, size_of: Callable, group_pos: int, *,
             group = kwargs.get("group", _arg(args, group_pos))
             if functional:
                 group = torch_private.resolve_functional_group(group)
-            full = size_of(args, kwargs, group)
-            for stats in _active:
-                stats.record(kind, group, full)
+            record_collective(kind, group, size_of(args, kwargs, group))
         _state.depth = depth + 1
         try:
             return original(*args, **kwargs)

@@ -26,7 +26,7 @@ division: on a partition group of one rank, torch 2.13 divides by it twice.) Wit
 boundary micro-step only (:func:`set_boundary`); earlier micro-steps only reduce-scatter and
 accumulate, so MiCS's 2-hop sync keeps its once-per-step all-reduce.
 
-What it hid is measured (:meth:`OverlappedGradientSync.timing`): the seconds the communicator
+What it hid is measured (:meth:`OverlappedGradientSync.take_timing`): the seconds the communicator
 spent all-reducing and the seconds the end of backward waited for it, which the Trainer logs as
 ``sync_busy_s`` and ``sync_exposed_s``. The communicator's thread ends with the model (or at
 exit); :meth:`OverlappedGradientSync.close` ends it sooner.
@@ -34,6 +34,7 @@ exit); :meth:`OverlappedGradientSync.close` ends it sooner.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -46,6 +47,7 @@ from dtrain.core.parallelism import ParallelismPlan
 from dtrain.runtime import torch_private
 from torch import nn
 
+logger = logging.getLogger(__name__)
 DEFAULT_BUFFER_BYTES = 4 * 2**20
 CLOSE_TIMEOUT_S = 10.0  # a communicator stuck in a collective (a peer died) does not hold exit
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, OverlappedGradientSync] = \
@@ -111,7 +113,7 @@ class OverlappedGradientSync:
         self._dtype: torch.dtype | None = None
         self._current, self._fill, self._open = 0, 0, False
         self._copied_back: torch.Event | None = None
-        self.windows, self.wait_s = 0, 0.0  # see timing()
+        self._windows, self._wait_s = 0, 0.0  # see take_timing()
 
     # ---------------------------------------------------------------- backward (autograd thread)
 
@@ -170,7 +172,7 @@ class OverlappedGradientSync:
             self._send(self.buffers[self._current][:self._fill])
         start = time.perf_counter()
         self.communicator.wait()
-        self.windows, self.wait_s = self.windows + 1, self.wait_s + time.perf_counter() - start
+        self._windows, self._wait_s = self._windows + 1, self._wait_s + time.perf_counter() - start
         for seg in self.segments:
             source = self.buffers[seg.buffer][seg.offset:seg.offset + seg.numel]
             seg.grad[seg.start:seg.start + seg.numel].copy_(source, non_blocking=True)
@@ -179,17 +181,16 @@ class OverlappedGradientSync:
         self.segments.clear()
         self._current, self._fill, self._open = 0, 0, False
 
-    def timing(self) -> dict[str, float]:
-        """Since the last :meth:`reset_timing`: ``windows`` (backward passes that synced),
-        ``busy_s`` (seconds the communicator spent all-reducing, hidden or not) and
-        ``exposed_s`` (seconds the ends of backward waited for it: what was not hidden, including
-        waiting for a slower replica to hand over its shards)."""
-        return {"windows": self.windows, "busy_s": self.communicator.busy_s,
-                "exposed_s": self.wait_s}
-
-    def reset_timing(self) -> None:
-        self.windows, self.wait_s = 0, 0.0
-        self.communicator.busy_s = 0.0
+    def take_timing(self) -> dict[str, float]:
+        """Since the last call, and start counting again: ``windows`` (backward passes that
+        synced), ``busy_s`` (seconds the communicator spent in all-reduces, hidden or not,
+        including waits for a slower replica's shards) and ``exposed_s`` (seconds the ends of
+        backward waited for it: what was not hidden). Call it between steps (the training
+        thread runs ``finish``)."""
+        timing = {"windows": self._windows, "busy_s": self.communicator.take_busy_s(),
+                  "exposed_s": self._wait_s}
+        self._windows, self._wait_s = 0, 0.0
+        return timing
 
     def close(self) -> None:
         """End the communicator's thread (idempotent; the model's finalizer calls it)."""
@@ -206,12 +207,16 @@ class BackgroundCommunicator:
         self._pending = 0
         self._done = threading.Condition()
         self._error: BaseException | None = None
-        self.busy_s = 0.0  # seconds spent in all-reduces; written by the thread only
+        self._busy_s = 0.0  # seconds spent in all-reduces (under ``_done``)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="dtrain-gradient-sync",
                                         daemon=True)
         self._thread.start()
 
     def submit(self, buffer: torch.Tensor, ready: torch.Event | None = None) -> None:
+        if self._closed:
+            raise RuntimeError("the overlapped gradient sync was closed; its model cannot "
+                               "train on")
         with self._done:
             self._pending += 1
             self.history.append(buffer.numel())
@@ -224,10 +229,21 @@ class BackgroundCommunicator:
             if self._error is not None:
                 raise RuntimeError("overlapped gradient sync failed") from self._error
 
+    def take_busy_s(self) -> float:
+        with self._done:
+            busy, self._busy_s = self._busy_s, 0.0
+        return busy
+
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:  # a collection on this thread
             self._thread.join(CLOSE_TIMEOUT_S)
+            if self._thread.is_alive():
+                logger.warning("overlapped gradient sync: the communicator is still in a "
+                               "collective after %.0f s; leaving it behind", CLOSE_TIMEOUT_S)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -238,12 +254,13 @@ class BackgroundCommunicator:
                 start = time.perf_counter()
                 dist.all_reduce(buffer, group=self.group)  # gloo has no AVG: sum, then divide
                 buffer.div_(self.group.size())
-                self.busy_s += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiting thread
                 with self._done:
                     self._error = exc
                     self._done.notify_all()
                 return
             with self._done:
+                self._busy_s += elapsed
                 self._pending -= 1
                 self._done.notify_all()

@@ -180,8 +180,7 @@ def gradient_sync_metrics(sync: Any, *, steps: int) -> dict[str, float]:
     """Per optimizer step, the overlapped gradient sync's all-reduce seconds (``sync_busy_s``)
     and the part of them backward's end waited for (``sync_exposed_s``: what the overlap did not
     hide). This rank's figures; resets the sync's clocks."""
-    timing = sync.timing()
-    sync.reset_timing()
+    timing = sync.take_timing()
     steps = max(steps, 1)
     return {"sync_busy_s": timing["busy_s"] / steps, "sync_exposed_s": timing["exposed_s"] / steps}
 
