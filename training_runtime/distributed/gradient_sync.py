@@ -239,7 +239,7 @@ class BackgroundCommunicator:
             return
         self._closed = True
         self._queue.put(None)
-        if threading.current_thread() is not self._thread:  # a collection on this thread
+        if threading.current_thread() is not self._thread:  # finalizers run on any thread
             self._thread.join(CLOSE_TIMEOUT_S)
             if self._thread.is_alive():
                 logger.warning("overlapped gradient sync: the communicator is still in a "
