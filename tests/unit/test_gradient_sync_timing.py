@@ -2,7 +2,7 @@
 
 The multi-rank behaviour (parity with FSDP2, buffers in flight during backward) is in
 ``tests/integration/test_gradient_sync.py``; here one process checks what a Trainer and a
-long-lived process rely on: what ``timing()`` reports, and that the communicator's thread does
+long-lived process rely on: what ``take_timing()`` reports, and that the communicator's thread does
 not outlive its model.
 """
 
@@ -26,8 +26,8 @@ def group():
     dist.destroy_process_group()
 
 
-def backward(model: nn.Module) -> None:
-    model(torch.ones(3, 64)).square().sum().backward()
+def backward(model: nn.Module, features: int = 64) -> None:
+    model(torch.ones(3, features)).square().sum().backward()
 
 
 def test_timing_counts_each_synced_backward_and_resets(group, monkeypatch):
@@ -80,8 +80,4 @@ def test_close_is_idempotent_ends_the_thread_and_refuses_more_work(group):
     sync.close()
     assert not sync.communicator._thread.is_alive()
     with pytest.raises(RuntimeError, match="was closed"):
-        backward_linear(model)
-
-
-def backward_linear(model: nn.Module) -> None:
-    model(torch.ones(2, 8)).sum().backward()
+        backward(model, features=8)
