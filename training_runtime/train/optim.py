@@ -28,8 +28,11 @@ def build_optimizer(
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    # foreach, not fused: fused AdamW is CUDA-only for DTensors; foreach works everywhere.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+    # fused: one pass over each parameter's memory instead of one per arithmetic step; DTensor
+    # shards take it on CPU and CUDA alike (torch 2.13). On CPU it is ~4x faster than torch's
+    # loop and ~6x faster than foreach (benchmarks/optimizer_step.py), and an optimizer step is
+    # time in which nothing crosses the link.
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 
 def total_grad_norm(parameters: Iterable[nn.Parameter], *,
