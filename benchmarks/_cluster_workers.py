@@ -16,6 +16,8 @@ from pathlib import Path
 
 from _emulated_cluster import DEVS
 
+MAX_MEASURED_STEPS = 50  # however short a row's steps, it stops after this many
+
 
 def worker_loopback(args: argparse.Namespace) -> None:
     """Bytes/s one gloo rank sends another on one host (all-gather of 64 MiB per rank)."""
@@ -98,13 +100,18 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
                 stats=None, warmup_window: int = 1) -> dict:
     """Warm-up steps, then measured optimizer steps (``one_step`` runs one, optimizer included);
     returns the medians. A warm-up step runs ``warmup_window`` micro-batches: a full window
-    would only add link-bound time to the slowest rows without changing what is measured."""
+    would only add link-bound time to the slowest rows without changing what is measured.
+
+    At least ``args.steps`` steps are measured, and more (up to :data:`MAX_MEASURED_STEPS`) until
+    they add up to ``args.min_seconds``, so that a one-second row is not one sample. The ranks
+    agree on when to stop (the slowest rank's total), outside the timed region."""
     import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
     times, sent, received, stat_bytes = [], [], [], []
-    for step in range(args.warmup + args.steps):
+    step = 0
+    while True:
         batches = make_batches(args, vocab, rank=rank, step=step)
         if step < args.warmup:
             batches = batches[:warmup_window]  # connections, allocator, lazy init; not timed
@@ -116,12 +123,17 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
         one_step(batches)
         elapsed = time.perf_counter() - start
         tx1, rx1 = veth_bytes()
-        if step >= args.warmup:
-            times.append(elapsed)
-            sent.append(tx1 - tx0)
-            received.append(rx1 - rx0)
-            if stats is not None:
-                stat_bytes.append(stats.snapshot()["total"]["inter_bytes"])
+        step += 1
+        if step <= args.warmup:
+            continue
+        times.append(elapsed)
+        sent.append(tx1 - tx0)
+        received.append(rx1 - rx0)
+        if stats is not None:
+            stat_bytes.append(stats.snapshot()["total"]["inter_bytes"])
+        if len(times) >= args.steps and (len(times) >= MAX_MEASURED_STEPS
+                                         or _slowest(sum(times)) >= args.min_seconds):
+            break
     result = {"step_s": statistics.median(times), "veth_tx": statistics.median(sent),
               "veth_rx": statistics.median(received)}
     if stats is not None:
@@ -129,11 +141,19 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
         total = torch.tensor([statistics.mean(stat_bytes)], dtype=torch.float64)
         dist.all_reduce(total)
         result["stats_inter_bytes"] = float(total[0])
-    # the slowest rank sets the step; a rank's own figure may be lower
-    slowest = torch.tensor([result["step_s"]], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    result["step_s"] = float(slowest[0])
+    result["steps"] = len(times)
+    result["step_s"] = _slowest(result["step_s"])  # a rank's own figure may be lower
     return result
+
+
+def _slowest(seconds: float) -> float:
+    """The largest of the ranks' ``seconds``: the same answer on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value[0])
 
 
 def veth_bytes() -> tuple[int, int]:
@@ -146,9 +166,10 @@ def veth_bytes() -> tuple[int, int]:
 
 
 def adamw(model):
-    import torch
+    """The optimizer dtrain's Trainer builds (fused AdamW), for every row alike."""
+    from dtrain.runtime.train.optim import build_optimizer
 
-    return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return build_optimizer(model, lr=1e-4)
 
 
 def worker_train(args: argparse.Namespace) -> None:

@@ -164,8 +164,8 @@ def predict(args, row: Row, cluster) -> float:
 def run_rows(launch: Launcher, args, rows: list[Row]) -> list[dict]:
     """Time ``rows`` of one implementation: dtrain's in one launch (one process group, a fresh
     context and model per row), the others one launch each."""
-    params = {"model": args.model, "steps": args.steps, "warmup": args.warmup,
-              "seq-len": args.seq_len}
+    params = {"model": args.model, "steps": args.steps, "min-seconds": args.min_seconds,
+              "warmup": args.warmup, "seq-len": args.seq_len}
     if rows[0].impl == "dtrain":
         specs = [{"distribution": dtrain_distribution(r), "accum": r.accum,
                   "micro_batch": r.micro_batch} for r in rows]
@@ -193,7 +193,7 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     settings = sorted({(r.micro_batch, r.accum) for r in rows} | {(args.micro_batch, 1),
                                                                   (args.micro_batch, 4)})
     compute = launch.run("compute", model=args.model, steps=args.steps, warmup=1,
-                         **{"seq-len": args.seq_len,
+                         **{"seq-len": args.seq_len, "min-seconds": args.min_seconds,
                             "settings": ",".join(f"{m}:{a}" for m, a in settings)})
     compute = {tuple(int(v) for v in k.split(":")): s for k, s in compute.items()}
     per_micro = (compute[(args.micro_batch, 4)] - compute[(args.micro_batch, 1)]) / 3
@@ -238,8 +238,8 @@ def print_header(args, loopback: float, probe: dict, deepspeed: str | None) -> N
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}, load average {_load()} at start; "
           f"torch {_torch_version()}; {os.cpu_count()} CPUs")
     print(f"# model {args.model}, fp32, {args.seq_len} tokens per sequence, 2 hosts x {PER_HOST} "
-          f"workers via the node agent; {args.warmup} warm-up (1 micro-batch) + {args.steps} "
-          "measured steps (median) per row")
+          f"workers via the node agent; {args.warmup} warm-up (1 micro-batch) + at least "
+          f"{args.steps} measured steps and {args.min_seconds:g} s of them (median) per row")
     print(f"# loopback gloo {loopback / 1e6:.0f} MB/s; veth tbf {loopback / args.ratio / 1e6:.1f}"
           f" MB/s each direction (1/{args.ratio:g}); raw gloo over it, 2 ranks, MB/s per "
           f"direction: all-gather {probe['all_gather_Bps'] / 1e6:.1f}, all-reduce "
@@ -368,7 +368,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--full", action="store_true", help="every row, not only the default ones")
     p.add_argument("--only", nargs="+", metavar="LABEL", help="only rows with these labels")
     p.add_argument("--model", default="gpt-neox-30m", help="a preset from dtrain.core.presets")
-    p.add_argument("--steps", type=int, default=1, help="measured optimizer steps per row")
+    p.add_argument("--steps", type=int, default=1,
+                   help="measured optimizer steps per row, at least")
+    p.add_argument("--min-seconds", type=float, default=5.0,
+                   help="a row measures more steps until they add up to this (short rows)")
     p.add_argument("--warmup", type=int, default=1,
                    help="unmeasured one-micro-batch steps first")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-step")
