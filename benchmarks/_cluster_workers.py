@@ -122,6 +122,9 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
         start = time.perf_counter()
         one_step(batches)
         elapsed = time.perf_counter() - start
+        # every rank of this host done: the other rank's last all-reduce may still be sending
+        # when this one's step ends, and its bytes are this step's
+        dist.barrier()
         tx1, rx1 = veth_bytes()
         step += 1
         if step <= args.warmup:

@@ -13,7 +13,8 @@ It measures the loopback gloo bandwidth, limits each direction of the veth to ba
 probes the link with raw gloo, times compute alone (all ranks at once, no communication), then
 starts 2 hosts × 2 workers through the node agent (``python -m dtrain.runtime --root HOST_DIR``,
 one per namespace) for each row of :data:`ROWS`. Every row trains the same model on the same
-tokens. Each prints its step, tokens/s, the bytes that crossed the slow link, the link-time floor
+tokens, with the optimizer a dtrain job builds, and measures at least ``--steps`` steps and
+``--min-seconds`` of them (their median). Each prints its step, tokens/s, the bytes that crossed the slow link, the link-time floor
 (those bytes ÷ the link's measured bandwidth per direction), efficiency = max(floor, compute) ÷
 step, and the planner's predicted step (``dtrain.planning.costmodel`` calibrated on this machine)
 with its ratio to the reference row beside the measured one. For the overlapped sync's rows it
