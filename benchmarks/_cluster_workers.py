@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -109,7 +110,7 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    times, sent, received, stat_bytes = [], [], [], []
+    times, sent, received, stat_bytes, cpu = [], [], [], [], []
     step = 0
     while True:
         batches = make_batches(args, vocab, rank=rank, step=step)
@@ -119,6 +120,7 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
         if stats is not None:
             stats.reset()
         tx0, rx0 = veth_bytes()
+        cpu0 = cpu_busy_seconds()
         start = time.perf_counter()
         one_step(batches)
         elapsed = time.perf_counter() - start
@@ -126,19 +128,21 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
         # when this one's step ends, and its bytes are this step's
         dist.barrier()
         tx1, rx1 = veth_bytes()
+        cpu1, window = cpu_busy_seconds(), time.perf_counter() - start
         step += 1
         if step <= args.warmup:
             continue
         times.append(elapsed)
         sent.append(tx1 - tx0)
         received.append(rx1 - rx0)
+        cpu.append((cpu1 - cpu0) / window)  # the window waited for every rank
         if stats is not None:
             stat_bytes.append(stats.snapshot()["total"]["inter_bytes"])
         if len(times) >= args.steps and (len(times) >= MAX_MEASURED_STEPS
                                          or _slowest(sum(times)) >= args.min_seconds):
             break
     result = {"step_s": statistics.median(times), "veth_tx": statistics.median(sent),
-              "veth_rx": statistics.median(received)}
+              "veth_rx": statistics.median(received), "cpus_busy": statistics.median(cpu)}
     if stats is not None:
         # comm_stats counts this rank's share; all ranks together move what crosses hosts.
         total = torch.tensor([statistics.mean(stat_bytes)], dtype=torch.float64)
@@ -157,6 +161,14 @@ def _slowest(seconds: float) -> float:
     value = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value[0])
+
+
+def cpu_busy_seconds() -> float:
+    """CPU-seconds this machine has spent busy so far, all cores and all processes (the kernel's
+    network work for the emulated link included): ``/proc/stat`` is not per namespace."""
+    with open("/proc/stat") as stat:
+        user, nice, system, _idle, _iowait, irq, softirq = map(int, stat.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def veth_bytes() -> tuple[int, int]:
@@ -274,7 +286,7 @@ def worker_compute(args: argparse.Namespace) -> None:
     out = {}
     for setting in args.settings.split(","):
         args.micro_batch, args.accum = (int(v) for v in setting.split(":"))
-        out[setting] = timed_steps(args, model.config.vocab_size, one_step)["step_s"]
+        out[setting] = timed_steps(args, model.config.vocab_size, one_step)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()

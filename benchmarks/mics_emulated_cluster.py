@@ -14,10 +14,12 @@ probes the link with raw gloo, times compute alone (all ranks at once, no commun
 starts 2 hosts × 2 workers through the node agent (``python -m dtrain.runtime --root HOST_DIR``,
 one per namespace) for each row of :data:`ROWS`. Every row trains the same model on the same
 tokens, with the optimizer a dtrain job builds, and measures at least ``--steps`` steps and
-``--min-seconds`` of them (their median). Each prints its step, tokens/s, the bytes that crossed the slow link, the link-time floor
-(those bytes ÷ the link's measured bandwidth per direction), efficiency = max(floor, compute) ÷
-step, and the planner's predicted step (``dtrain.planning.costmodel`` calibrated on this machine)
-with its ratio to the reference row beside the measured one. For the overlapped sync's rows it
+``--min-seconds`` of them (their median). Each prints its step, tokens/s, the bytes that crossed
+the slow link, the link-time floor (those bytes ÷ the link's measured bandwidth per direction),
+efficiency = max(floor, compute) ÷ step, how many of the machine's cores were busy during the
+step (all processes, the kernel's work for the emulated link included), and the planner's
+predicted step (``dtrain.planning.costmodel`` calibrated on this machine) with its ratio to the
+reference row beside the measured one. For the overlapped sync's rows it
 also prints the sync's own clocks: how long the replicas' all-reduce ran in a step and how much
 of it came after backward had ended (exposed). DeepSpeed rows need the optional
 ``bench`` extra (see ``_deepspeed_rows.py``: version, adaptations, parity check). The ``PP 2`` rows
@@ -196,8 +198,9 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     compute = launch.run("compute", model=args.model, steps=args.steps, warmup=1,
                          **{"seq-len": args.seq_len, "min-seconds": args.min_seconds,
                             "settings": ",".join(f"{m}:{a}" for m, a in settings)})
-    compute = {tuple(int(v) for v in k.split(":")): s for k, s in compute.items()}
-    per_micro = (compute[(args.micro_batch, 4)] - compute[(args.micro_batch, 1)]) / 3
+    compute = {tuple(int(v) for v in k.split(":")): res for k, res in compute.items()}
+    per_micro = (compute[(args.micro_batch, 4)]["step_s"]
+                 - compute[(args.micro_batch, 1)]["step_s"]) / 3
     cluster = calibrated_cluster(args, loopback=loopback, link=link,
                                  latency=probe["latency_s"], micro_compute_s=per_micro)
     print_header(args, loopback, probe, deepspeed)
@@ -217,7 +220,8 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
             print(f"{group[0].label} failed:\n{exc}", file=sys.stderr, flush=True)  # the agent's log
             continue
         for row, res in zip(group, measured):
-            res["compute_s"] = compute[(row.micro_batch, row.accum)]
+            res["compute_s"] = compute[(row.micro_batch, row.accum)]["step_s"]
+            res["compute_cpus_busy"] = compute[(row.micro_batch, row.accum)]["cpus_busy"]
             res["model_s"] = predict(args, row, cluster)
             results[row.key] = res
             print_row(args, row, res, link, results)
@@ -249,10 +253,11 @@ def print_header(args, loopback: float, probe: dict, deepspeed: str | None) -> N
     print(f"# DeepSpeed rows: {deepspeed or 'not installed (the bench extra), skipped'}; "
           "DS rows: parity checked, then timed; their warm-up is the parity window")
     print(f"# floor = max bytes per direction / {probe['all_reduce_Bps'] / 1e6:.1f} MB/s; "
-          "eff = max(floor, compute) / step; ratios: tokens/s over the dtrain MiCS row of the "
+          "eff = max(floor, compute) / step; cpus: cores busy during the step, machine-wide; "
+          "ratios: tokens/s over the dtrain MiCS row of the "
           "same accum and micro-batch, measured and planner")
     print(f"{'row':<18} {'deg':>3} {'acc':>3} {'mb':>3} {'step s':>7} {'tok/s':>7} "
-          f"{'link MB':>8} {'floor s':>7} {'comp s':>6} {'eff':>5} {'model s':>7} "
+          f"{'link MB':>8} {'floor s':>7} {'comp s':>6} {'eff':>5} {'cpus':>4} {'model s':>7} "
           f"{'ratio':>6} {'model':>6}", flush=True)
 
 
@@ -270,6 +275,7 @@ def print_row(args, row: Row, res: dict, link: float, results: dict) -> None:
     print(f"{row.label:<18} {row.degree:>3} {row.accum:>3} {row.micro_batch:>3} "
           f"{res['step_s']:>7.2f} {tokens:>7.1f} {(res['veth_tx'] + res['veth_rx']) / 1e6:>8.1f} "
           f"{floor:>7.2f} {res['compute_s']:>6.2f} {res['efficiency']:>5.2f} "
+          f"{res['cpus_busy']:>4.2f} "
           f"{res['model_s']:>7.2f} {measured:>6} {model:>6}", flush=True)
 
 
@@ -321,6 +327,10 @@ def report(args, rows: list[Row], results: dict, link: float) -> None:
         line("overlap setting: overlapped / FSDP2 synchronous speed", r, ">= 1.2", r >= 1.2)
         r = over["step_s"] / max(over["floor_s"], over["compute_s"])
         line("overlap setting: overlapped step / max(floor, compute)", r, "<= 1.15", r <= 1.15)
+        print(f"overlap setting: CPU-seconds a step, all {os.cpu_count()} cores: overlapped "
+              f"{over['cpus_busy'] * over['step_s']:.1f} ({over['cpus_busy']:.2f} cores busy), "
+              f"compute-only {over['compute_cpus_busy'] * over['compute_s']:.1f} "
+              f"({over['compute_cpus_busy']:.2f} cores busy)")
     errors = {f"{label} a{acc} mb{mbs}": res["model_ratio"] / res["ratio"] - 1
               for (label, acc, mbs), res in results.items() if "ratio" in res}
     if errors:
