@@ -19,12 +19,12 @@ the slow link, the link-time floor (those bytes ÷ the link's measured bandwidth
 efficiency = max(floor, compute) ÷ step, how many of the machine's cores were busy during the
 step (all processes, the kernel's work for the emulated link included), and the planner's
 predicted step (``dtrain.planning.costmodel`` calibrated on this machine) with its ratio to the
-reference row beside the measured one. For the overlapped sync's rows it
-also prints the sync's own clocks: how long the replicas' all-reduce ran in a step and how much
-of it came after backward had ended (exposed). DeepSpeed rows need the optional
-``bench`` extra (see ``_deepspeed_rows.py``: version, adaptations, parity check). The ``PP 2`` rows
-run dtrain's pipeline parallelism across the hosts, a stage per host (``_pipeline_rows.py``), on
-the same global batch.
+reference row beside the measured one. For the overlapped sync's rows it also prints the sync's
+own clocks: how long the replicas' all-reduce ran in a step and how much of it came after
+backward had ended (exposed). DeepSpeed rows need the optional ``bench`` extra (see
+``_deepspeed_rows.py``: version, adaptations, parity check). The ``PP 2`` rows run dtrain's
+pipeline parallelism across the hosts, a stage per host (``_pipeline_rows.py``), on the same
+global batch.
 
 Adding a row: append a :class:`Row`; a dtrain setting the row needs goes into
 :func:`dtrain_distribution`, its prediction into :func:`predict`.
