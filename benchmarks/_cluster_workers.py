@@ -124,8 +124,8 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
         start = time.perf_counter()
         one_step(batches)
         elapsed = time.perf_counter() - start
-        # every rank of this host done: the other rank's last all-reduce may still be sending
-        # when this one's step ends, and its bytes are this step's
+        # every rank done: this host's other rank may still be sending its last all-reduce
+        # when this one's step ends, and those bytes are this step's
         dist.barrier()
         tx1, rx1 = veth_bytes()
         cpu1, window = cpu_busy_seconds(), time.perf_counter() - start
@@ -148,7 +148,6 @@ def timed_steps(args: argparse.Namespace, vocab: int, one_step: Callable[[list],
         total = torch.tensor([statistics.mean(stat_bytes)], dtype=torch.float64)
         dist.all_reduce(total)
         result["stats_inter_bytes"] = float(total[0])
-    result["steps"] = len(times)
     result["step_s"] = _slowest(result["step_s"])  # a rank's own figure may be lower
     return result
 

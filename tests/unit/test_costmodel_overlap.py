@@ -176,12 +176,10 @@ def test_the_runtime_reduce_scatters_as_the_cost_model_counts(nodes, per_node, d
     factor = costmodel.reduce_scatter_factor_of(cluster, ranks=degree, nodes=spanned)
     assert (gloo_reduce_scatter(plan) is not None) == (factor < 2)
     est = costmodel.estimate_step(WORK, cluster, sharding_degree=degree)
-    ring = costmodel.ring(WORK.num_parameters * costmodel.GRAD_REDUCE_BYTES / (WORK.num_layers + 1),
-                          ranks=degree, nodes=spanned, per_node=degree // spanned,
-                          cluster=cluster)
     units = WORK.num_layers + 1
-    gather = costmodel.ring(WORK.num_parameters * WORK.compute_bytes / units, ranks=degree,
-                            nodes=spanned, per_node=degree // spanned, cluster=cluster)
+    shape = {"ranks": degree, "nodes": spanned, "per_node": degree // spanned, "cluster": cluster}
+    ring = costmodel.ring(WORK.num_parameters * costmodel.GRAD_REDUCE_BYTES / units, **shape)
+    gather = costmodel.ring(WORK.num_parameters * WORK.compute_bytes / units, **shape)
     # a step's partition-group bytes: 2 all-gathers and the reduce-scatter, per unit
     assert est.micro_comm.intra_bytes + est.micro_comm.inter_bytes == pytest.approx(
         units * (2 * (gather.intra_bytes + gather.inter_bytes)
