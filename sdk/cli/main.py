@@ -18,7 +18,7 @@ from dtrain.cli.common import OUTPUT_OPTION, echo_json, load_spec, spec_options
 @click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
-    """Declarative distributed training jobs: on this machine, SageMaker or EC2.
+    """Declarative distributed training jobs: on this machine, SageMaker, EC2 or Slurm.
 
     Write a job spec (YAML), check it with `dtrain validate`, see what it will cost and how it
     is sharded with `dtrain plan`, then run it with `dtrain submit`.
@@ -104,7 +104,7 @@ def list_instances(output: str) -> None:
             for t in instances.CATALOG.values()]
     click.echo(table(rows, ["type", "GPUs", "GiB/GPU", "TFLOP/s", "Gb/s", "EFA", "EC2 $/h",
                             "SageMaker $/h"]))
-    click.echo(f"\nprices: on-demand, {instances.PRICE_SOURCE}, as of {instances.PRICE_DATE}; "
+    click.echo(f"\nprices: {instances.PRICE_SOURCE}, as of {instances.PRICE_DATE}; "
                "override with compute.price_per_hour")
 
 

@@ -190,7 +190,9 @@ class Distribution(_Model):
         "forward, one backward: fewer activations held), `interleaved-1f1b` (several stages per "
         "rank: a smaller bubble), `interleaved-zero-bubble` (and backward split into input and "
         "weight gradients to fill the bubble), `zbv` (zero-bubble, two stages per rank in a V); "
-        "`auto` = interleaved when the model has the blocks, else 1f1b.",
+        "`auto` = interleaved (zero-bubble when no partition group reshards parameters, i.e. "
+        "sharding degree 1; else interleaved-1f1b) when the model has a block for each of the "
+        "stages (2 per rank), else 1f1b, or gpipe with fewer micro-batches than ranks.",
     )
     stages_per_rank: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto",
