@@ -43,11 +43,13 @@ if TYPE_CHECKING:
     from dtrain.spec.model import JobSpec
 
 # The documented public SSM parameter of the AWS Deep Learning OSS Nvidia Driver AMI (PyTorch,
-# Ubuntu 22.04); see the DLAMI developer guide, "Finding the AMI ID with SSM".
-DLAMI_PYTORCH_VERSION = "2.6"
+# Ubuntu 24.04, P4/P5 among its instance types; torch in /opt/pytorch); see the DLAMI developer
+# guide, "Finding the AMI ID with SSM". The node agent runs on this AMI's torch, so its version
+# must be one dtrain's runtime supports (dtrain.core.torch_support; a unit test holds it there).
+DLAMI_PYTORCH_VERSION = "2.10"
 DLAMI_SSM_PARAMETER = (
     "/aws/service/deeplearning/ami/x86_64/"
-    f"oss-nvidia-driver-gpu-pytorch-{DLAMI_PYTORCH_VERSION}-ubuntu-22.04/latest/ami-id"
+    f"oss-nvidia-driver-gpu-pytorch-{DLAMI_PYTORCH_VERSION}-ubuntu-24.04/latest/ami-id"
 )
 DLAMI_ROOT_DEVICE = "/dev/sda1"  # Ubuntu AMIs; a user AMI's is looked up at submit
 # p5-family cards beyond 0 carry EFA only: no IP address per card (AWS EFA guide, P5 section).

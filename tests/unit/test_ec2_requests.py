@@ -183,6 +183,16 @@ def test_ami_auto_is_a_documented_ssm_lookup_not_a_call():
     assert req.DLAMI_SSM_PARAMETER.startswith("/aws/service/deeplearning/ami/x86_64/")
 
 
+def test_the_default_ami_carries_a_torch_the_runtime_runs_on():
+    # the node agent runs on the AMI's own torch; one older than dtrain's minimum fails every
+    # node at start, after the instances are paid for
+    from dtrain.core import torch_support
+
+    assert torch_support.problem(req.DLAMI_PYTORCH_VERSION) is None
+    assert f"pytorch-{req.DLAMI_PYTORCH_VERSION}-" in req.DLAMI_SSM_PARAMETER
+    assert torch_support.problem("2.6") is not None  # the AMI this once named
+
+
 def test_cost_line_and_confirmation_threshold():
     request = build()
     assert req.cost_line(request["cost"]) == (
@@ -192,7 +202,7 @@ def test_cost_line_and_confirmation_threshold():
 
 
 def test_values_too_large_for_the_user_data_are_refused_by_validation_and_at_the_budget_fit():
-    with pytest.raises(SpecError, match=r"^hyperparameters / environment / inputs: 20262 bytes "
+    with pytest.raises(SpecError, match=r"^hyperparameters / environment / inputs: 20307 bytes "
                                         r"as JSON, over the 10240 .* input channel$"):
         build(["hyperparameters.blob=" + "x" * 20000])
     from dtrain.spec.rules.ec2 import USER_VALUES_BUDGET
