@@ -1,4 +1,4 @@
-"""dtrain: declarative distributed training jobs on this machine, SageMaker or EC2.
+"""dtrain: declarative distributed training jobs on this machine, SageMaker, EC2 or Slurm.
 
 This module must stay cheap to import: containers import ``dtrain.runtime`` through it, and the
 CLI's start-up time depends on it. Public names are therefore resolved lazily.
@@ -20,12 +20,13 @@ _LAZY = {
     "Plan": "dtrain.planning.planner",
     "Estimator": "dtrain.estimator",
     "instances": "dtrain.core.instances",
+    "sagemaker": "dtrain.sagemaker",  # dtrain.sagemaker.PyTorch, the SageMaker SDK's estimator
 }
 
 # spelled out (not built from _LAZY) so linters and IDEs can read it; a unit test keeps the two
 # in step
 __all__ = ["DtrainError", "Estimator", "JobSpec", "Plan", "SpecError", "__version__",
-           "instances", "plan"]
+           "instances", "plan", "sagemaker"]
 
 
 def __getattr__(name: str) -> Any:

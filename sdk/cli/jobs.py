@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 from dtrain.cli.common import OUTPUT_OPTION, TARGETS, echo_json, load_spec, spec_options
+from dtrain.core.states import COMPLETED, FAILED
 
 _RANK_ZERO = re.compile(r"^\[\S+ 0\]:")
 
@@ -290,6 +291,10 @@ def stop(job: str, wait: bool, output: str) -> None:
         echo_json(record.to_dict())
     else:
         click.echo(f"{record.id} {record.name}: {record.status}")
+        if record.status in (COMPLETED, FAILED):
+            # a stop still ends what of it runs (an EC2 peer of a failed node)
+            click.echo(f"job {job} had already ended ({record.status}); the stop only ended "
+                       "what of it may still have run", err=True)
 
 
 @click.command()

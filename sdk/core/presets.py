@@ -149,9 +149,9 @@ def get_preset(name: str) -> dict[str, Any]:
         return dict(PRESETS[name])
     except KeyError:
         close = difflib.get_close_matches(name, PRESETS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(
-            f"unknown model preset {name!r}.{hint} Known presets: {', '.join(PRESETS)}"
+            f"unknown model preset {name!r}; {hint}known presets: {', '.join(PRESETS)}"
         ) from None
 
 

@@ -10,7 +10,7 @@ input then fails in a second with the field or the file named, not 15-30 s later
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +20,33 @@ from dtrain.core import presets
 DEFAULTS = {"steps": 100, "micro_batch_size": 8, "seq_len": 128, "data": "train"}
 DEFAULT_MODELS = {"causal_lm": "gpt-neox-tiny", "masked_lm": "bert-tiny"}
 POSITIVE = ("steps", "micro_batch_size", "seq_len")
+# The recipes' other numeric hyperparameters and their types: the recipes' parser takes its
+# types from here, so what validation accepts is what the recipe parses.
+NUMERIC = {"lr": float, "min_lr_ratio": float, "warmup_steps": int, "weight_decay": float,
+           "max_grad_norm": float, "log_interval": int, "seed": int}
 TOKENS_FILE, META_FILE = "tokens.bin", "tokens.json"  # a token channel (dtrain.runtime.train.data)
 BINARY_PROBE_BYTES = 8000  # as git: a NUL byte in a file's first 8000 bytes makes it binary
 MAX_FILES_PROBED = 10_000
 
 
-def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str,
-                            model_known: bool = True) -> list[str]:
-    """Problems of a recipe's ``steps``, ``micro_batch_size`` and ``seq_len``, and of a
-    ``seq_len`` beyond the model's positions (the recipe's default model unless
-    ``model_known`` is False: then only a model the hyperparameters name is checked)."""
+def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str, model_known: bool = True,
+                            channels: Collection[str] | None = None) -> list[str]:
+    """Problems of a recipe's ``steps``, ``micro_batch_size`` and ``seq_len``, of its other
+    numbers (:data:`NUMERIC`), of a ``seq_len`` beyond the model's positions (the recipe's
+    default model unless ``model_known`` is False: then only a model the hyperparameters name is
+    checked) and, given the job's input ``channels`` (when it has any), of a ``data`` that names
+    none of them."""
     problems = []
     for key in POSITIVE:
         if key in hps and _positive_int(hps[key]) is None:
             problems.append(f"hyperparameters.{key}: {hps[key]!r} is not a whole number >= 1; "
                             f"give one (the recipe's default is {DEFAULTS[key]})")
+    for key, kind in NUMERIC.items():
+        if key in hps and not _parses_as(hps[key], kind):
+            what = "a whole number" if kind is int else "a number"
+            problems.append(f"hyperparameters.{key}: {hps[key]!r} is not {what}; give one")
+    if channels:
+        problems += _data_channel_problems(hps, sorted(channels))
     model = hps.get("model") or (DEFAULT_MODELS.get(recipe) if model_known else None)
     seq_len = _positive_int(hps.get("seq_len", DEFAULTS["seq_len"]))
     positions = model_positions(str(model)) if model else None
@@ -43,6 +55,37 @@ def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str,
                         f"positions of model {model!r}; lower seq_len to at most {positions} or "
                         "use a model with more positions")
     return problems
+
+
+def _parses_as(value: Any, kind: type) -> bool:
+    """Whether the recipe's ``--key value`` parses ``value`` as ``kind`` (a JSON boolean
+    does not: it arrives as ``true``)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        kind(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+def _data_channel_problems(hps: Mapping[str, Any], channels: list[str]) -> list[str]:
+    """``data`` names a channel the job lacks: a bare name (no ``/``, no ``.``) is a channel,
+    anything else a path in the container, checked where it runs."""
+    data = str(hps.get("data", DEFAULTS["data"]))
+    if "/" in data or "." in data or data.lower() in {name.lower() for name in channels}:
+        return []
+    return [missing_data(data, channels, default="data" not in hps)]
+
+
+def missing_data(data: str, channels: Collection[str], *, host: str | None = None,
+                 default: bool = False) -> str:
+    """The problem of a recipe's ``data`` that is no channel of the job (nor, on ``host``, a
+    path); ``default``: the hyperparameters left it at the recipe's default."""
+    named = f"{data!r} (the default)" if default else repr(data)
+    listed = f"a channel of this job ({', '.join(sorted(channels)) or 'none'})"
+    what = f"neither {listed} nor a path on {host}" if host else f"not {listed}"
+    return f"hyperparameters.data: {named} is {what}; add it under inputs or fix the name"
 
 
 def model_positions(model: str) -> int | None:

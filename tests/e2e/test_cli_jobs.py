@@ -102,3 +102,6 @@ def test_example_local_cpu_job_trains_two_hosts_by_two_processes():
         for rank in ranks:
             assert (job_dir / host / f"output/logs/rank-{rank}.stdout.log").exists()
     assert "Completed" in dtrain("status", record["id"]).stdout
+    stopped = dtrain("stop", record["id"])  # too late: it says so and the record stays
+    assert stopped.stdout.strip().endswith(": Completed")
+    assert "had already ended (Completed)" in stopped.stderr

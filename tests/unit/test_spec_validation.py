@@ -385,6 +385,26 @@ def test_a_recipe_refuses_a_seq_len_beyond_the_positions_of_the_model_it_names()
             "'gpt-neox-tiny'; lower seq_len to at most 256") in msg
 
 
+def test_a_recipe_refuses_numbers_it_cannot_parse_as_its_parser_would():
+    msg = problems({**RECIPE, "hyperparameters": {"lr": "abc", "warmup_steps": 2.5,
+                                                  "seed": True, "weight_decay": "1e-2"}})
+    assert "hyperparameters.lr: 'abc' is not a number; give one" in msg
+    assert "hyperparameters.warmup_steps: 2.5 is not a whole number; give one" in msg
+    assert "hyperparameters.seed: True is not a whole number" in msg
+    assert "weight_decay" not in msg  # "1e-2" is what --weight_decay 1e-2 parses
+
+
+def test_a_recipe_refuses_data_that_names_none_of_the_jobs_channels(tmp_path):
+    inputs = {"train": str(tmp_path)}
+    msg = problems({**RECIPE, "inputs": inputs, "hyperparameters": {"data": "trian"}})
+    assert ("hyperparameters.data: 'trian' is not a channel of this job (train); add it under "
+            "inputs or fix the name") in msg
+    msg = problems({**RECIPE, "inputs": {"val": str(tmp_path)}})
+    assert "hyperparameters.data: 'train' (the default) is not a channel of this job (val)" in msg
+    for fine in ("TRAIN", "corpus/part.txt", "tokens.bin"):  # a channel, case-blind, or a path
+        JobSpec.from_dict({**RECIPE, "inputs": inputs, "hyperparameters": {"data": fine}})
+
+
 def test_a_recipe_refuses_local_data_it_cannot_train_on_naming_the_channel(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.mkdir()

@@ -26,7 +26,6 @@ def input_problems(contract: c.Contract) -> list[str]:
     if data.lower() in channels:  # SM_CHANNEL_* names are case-blind
         return problems + recipe_inputs.data_problems(Path(channels[data.lower()]),
                                                       what=f"inputs.{data}")
-    missing = (f"hyperparameters.data: {data!r} is neither a channel of this job "
-               f"({', '.join(sorted(contract.channels)) or 'none'}) nor a path on "
-               f"{contract.current_host}; add it under inputs or fix the name")
-    return [*problems, missing]
+    return [*problems, recipe_inputs.missing_data(data, contract.channels,
+                                                  host=contract.current_host,
+                                                  default="data" not in hps)]

@@ -54,16 +54,16 @@ def build_parser(prog: str, description: str, *, recipe: str,
                    default=recipe_inputs.DEFAULTS["micro_batch_size"],
                    help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=recipe_inputs.DEFAULTS["seq_len"])
-    p.add_argument("--lr", type=float, default=lr)
-    p.add_argument("--min_lr_ratio", type=float, default=0.1)
-    p.add_argument("--warmup_steps", type=int, default=10)
-    p.add_argument("--weight_decay", type=float, default=0.1)
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
-    p.add_argument("--log_interval", type=int, default=10)
+    p.add_argument("--lr", type=recipe_inputs.NUMERIC["lr"], default=lr)
+    p.add_argument("--min_lr_ratio", type=recipe_inputs.NUMERIC["min_lr_ratio"], default=0.1)
+    p.add_argument("--warmup_steps", type=recipe_inputs.NUMERIC["warmup_steps"], default=10)
+    p.add_argument("--weight_decay", type=recipe_inputs.NUMERIC["weight_decay"], default=0.1)
+    p.add_argument("--max_grad_norm", type=recipe_inputs.NUMERIC["max_grad_norm"], default=1.0)
+    p.add_argument("--log_interval", type=recipe_inputs.NUMERIC["log_interval"], default=10)
     for name, field_name in DEPRECATED_CHECKPOINT_ARGS.items():
         p.add_argument(f"--{name}", type=int, default=None,
                        help=f"deprecated: set {field_name} in the job spec instead")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=recipe_inputs.NUMERIC["seed"], default=0)
     p.add_argument("--attention", choices=("flash", "sdpa", "eager"), default=None)
     p.add_argument("--activation_checkpointing", type=parse_bool, default=None)
     return p

@@ -114,7 +114,8 @@ def recipe_hyperparameters(spec, ctx: Findings) -> None:
     if spec.entry_point.startswith(contract.RECIPE_PREFIX):
         recipe = spec.entry_point[len(contract.RECIPE_PREFIX):]
         ctx.problems += recipe_inputs.hyperparameter_problems(spec.hyperparameters, recipe=recipe,
-                                                              model_known=False)
+                                                              model_known=False,
+                                                              channels=spec.inputs.keys())
 
 
 def cloud_paths(spec, ctx: Findings) -> None:

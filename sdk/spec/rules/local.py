@@ -47,7 +47,9 @@ def local_paths(spec, ctx: Findings) -> None:
             continue  # downloaded once at submit
         path = resolve(ctx.base_dir, uri)
         if not exists(path):
-            ctx.problems.append(f"inputs.{channel}: local path {str(path)!r} does not exist")
+            ctx.problems.append(f"inputs.{channel}: local path {str(path)!r} does not exist; "
+                                "give an existing folder or file (relative paths are resolved "
+                                "against the spec's folder)")
         else:
             spec.inputs[channel] = str(path)
     for field_name, owner, attr in (("output_path", spec, "output_path"),
