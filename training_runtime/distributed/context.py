@@ -39,6 +39,8 @@ from dtrain.runtime.distributed.config import DistributionConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DEFAULT_TIMEOUT_S = 1800.0
+# the default process group's backend per device type, by the resolved backend
+PROCESS_GROUP_BACKENDS = {"nccl": "cpu:gloo,cuda:nccl"}
 
 
 @dataclass(frozen=True)
@@ -347,14 +349,17 @@ def _init_process_group(
                 f"WORLD_SIZE={facts.world_size}; destroy it before dtrain.runtime.init()"
             )
         return
+    # NCCL carries CUDA tensors only; the Trainer's stop vote and metrics and the checkpoint's
+    # shared-folder probe all-reduce small CPU tensors, so those go over gloo in the same group.
+    backends = PROCESS_GROUP_BACKENDS.get(backend, backend)
     if "RANK" not in os.environ:
         # A one-process run needs no rendezvous: an in-memory store avoids picking a port.
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            backends, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
         return
     dist.init_process_group(
-        backend,
+        backends,
         init_method="env://",
         rank=facts.rank,
         world_size=facts.world_size,
