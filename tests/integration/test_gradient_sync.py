@@ -115,6 +115,55 @@ def _train(rt, degree: int, accum: int, sync: str) -> dict:
     return out
 
 
+def _joint(rt, sync: str) -> list[list[torch.Tensor]]:
+    """Two models sharded on one context, one backward through both (a joint loss): each
+    overlapped sync must all-reduce on a group of its own."""
+    ctx = rt.init(distribution={"sharding_degree": 2, "gradient_sync": sync})
+    torch.manual_seed(0)
+    models = [rt.shard(HeadLM(), ctx, fusion_buffer_bytes=BUFFER_BYTES),
+              rt.shard(TinyLM(hidden=48), ctx, fusion_buffer_bytes=BUFFER_BYTES)]
+    data, grads = torch.Generator().manual_seed(99), []
+    for _ in range(2):
+        batch = torch.randint(0, VOCAB, (WORLD, MICRO_BATCH, SEQ + 1), generator=data)
+        sum(lm_loss(m, batch[ctx.dp_rank]) for m in models).backward()
+        grads.append([_full(p.grad).clone() for m in models for p in m.parameters()])
+        for m in models:
+            m.zero_grad()
+    return grads
+
+
+class GatedLM(HeadLM):
+    """HeadLM with a layer only the first micro-step of a window uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(32, 32)
+        self.use_extra = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        x = x + self.extra(x) if self.use_extra else x
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+
+def _unused_on_the_boundary(rt) -> str:
+    """The overlapped sync's error when a parameter's gradient would miss the replicas."""
+    ctx = rt.init(distribution={"sharding_degree": 2, "gradient_accumulation_steps": 2,
+                                "gradient_sync": "overlapped"})
+    model = rt.shard(GatedLM(), ctx, fusion_buffer_bytes=BUFFER_BYTES)
+    batch = torch.randint(0, VOCAB, (2, MICRO_BATCH, SEQ + 1),
+                          generator=torch.Generator().manual_seed(ctx.rank))
+    try:
+        for micro in ctx.accumulate(model, list(batch)):
+            model.use_extra = micro.index == 0
+            micro.scale(lm_loss(model, micro.batch)).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 def _reduce_scatters(rt) -> dict:
     """dtrain's all-to-all reduce-scatter against gloo's own, on the 4 ranks (2 hosts) and on
     this rank's host (2 ranks), in chunks of an odd number of elements."""
@@ -144,6 +193,8 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
         for degree, accum in CONFIGS:
             for sync in ("stock", "fsdp", "overlapped"):
                 results[(degree, accum, sync)] = _train(rt, degree, accum, sync)
+        results["joint"] = {sync: _joint(rt, sync) for sync in ("fsdp", "overlapped")}
+        results["unused_on_the_boundary"] = _unused_on_the_boundary(rt)  # last: it raises
 
     run_worker(rank, port, result_dir, world=WORLD, per_host=PER_HOST, body=body)
 
@@ -230,3 +281,18 @@ def test_partition_groups_on_one_host_reduce_scatter_with_dtrain_s_all_to_all(re
         # one per FSDP unit (2 blocks, the head, the root) and micro-step; none without a group
         assert counts == [4 * accum if degree == 2 else 0] * STEPS
     assert results[0][(*config, "stock")]["all_to_all_reduce_scatters"] == [0] * STEPS
+
+
+def test_two_models_in_one_backward_each_sync_on_a_group_of_their_own(results):
+    for res in results:
+        fsdp, overlapped = res["joint"]["fsdp"], res["joint"]["overlapped"]
+        for step_fsdp, step_overlapped in zip(fsdp, overlapped, strict=True):
+            for a, b in zip(step_fsdp, step_overlapped, strict=True):
+                torch.testing.assert_close(b, a, atol=TOLERANCE, rtol=0)
+
+
+def test_a_gradient_that_would_miss_the_replicas_is_an_error_naming_the_parameter(results):
+    for res in results:  # every rank: the accumulated gradient of extra.* was never averaged
+        assert res["unused_on_the_boundary"].startswith(
+            "overlapped gradient sync: extra.bias, extra.weight took a gradient on an earlier "
+            "micro-step of this accumulation window but none on its last")

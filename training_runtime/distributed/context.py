@@ -98,7 +98,6 @@ class RuntimeContext:
     mesh: DeviceMesh | None = None
     _hierarchy: HierarchyGroups | None = field(default=None, repr=False)
     _override_logged: bool = field(default=False, repr=False)
-    _replica_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     rank = property(lambda self: self.facts.rank)
     local_rank = property(lambda self: self.facts.local_rank)
@@ -204,13 +203,14 @@ class RuntimeContext:
             self._hierarchy = build_hierarchy_groups(self.plan, rank=self.rank)
         return self._hierarchy
 
-    def replica_sync_group(self) -> dist.ProcessGroup:
-        """The gloo group the overlapped gradient sync all-reduces over (created once)."""
+    def new_replica_sync_group(self) -> dist.ProcessGroup:
+        """A new gloo group over this rank's replicas for one model's overlapped gradient sync
+        (collective). One per model: two models' communicator threads on one group would issue
+        their all-reduces in a different interleaving on each rank when one backward runs
+        through both (a joint loss), and sum the wrong buffers."""
         if self.plan is None or self.plan.gradient_sync != "overlapped":
             raise ValueError("the parallelism plan does not use the overlapped gradient sync")
-        if self._replica_group is None:
-            self._replica_group = gradient_sync.build_replica_group(self.plan, rank=self.rank)
-        return self._replica_group
+        return gradient_sync.build_replica_group(self.plan, rank=self.rank)
 
     def micro_step(self, model: torch.nn.Module, *, boundary: bool):
         """Context for one micro-step; see :mod:`dtrain.runtime.distributed.accumulation`."""

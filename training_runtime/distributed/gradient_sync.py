@@ -70,8 +70,9 @@ def attach(model: nn.Module, group: dist.ProcessGroup, *, device: torch.device,
            buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> OverlappedGradientSync:
     """Sync ``model``'s sharded gradients across ``group`` in the background; see module doc."""
     sync = OverlappedGradientSync(group, device=device, buffer_bytes=buffer_bytes)
-    for param in model.parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
+            sync.names[param] = name
             param.register_post_accumulate_grad_hook(sync.on_gradient)
     _ATTACHED[model] = sync
     weakref.finalize(model, sync.close)  # the thread goes with the model, or at exit
@@ -114,13 +115,20 @@ class OverlappedGradientSync:
         self._current, self._fill, self._open = 0, 0, False
         self._copied_back: torch.Event | None = None
         self._windows, self._wait_s = 0, 0.0  # see take_timing()
+        self.names: dict[torch.Tensor, str] = {}  # for errors
+        # parameters with a gradient from an earlier micro-step of this window, not yet buffered
+        self._unsynced: dict[torch.Tensor, None] = {}
 
     # ---------------------------------------------------------------- backward (autograd thread)
 
     def on_gradient(self, param: torch.Tensor) -> None:
         """FSDP2 has reduce-scattered (and accumulated) ``param``'s shard: buffer it."""
-        if not self.boundary or param.grad is None:
+        if param.grad is None:
             return
+        if not self.boundary:  # synced with the window's last micro-step, which must reach it
+            self._unsynced[param] = None
+            return
+        self._unsynced.pop(param, None)
         local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
         if not self._open:
             self._start_window(local.dtype)
@@ -180,6 +188,14 @@ class OverlappedGradientSync:
             self._copied_back = torch.cuda.current_stream().record_event()
         self.segments.clear()
         self._current, self._fill, self._open = 0, 0, False
+        if self._unsynced:
+            missed = sorted(self.names.get(p, "?") for p in self._unsynced)
+            self._unsynced.clear()
+            raise RuntimeError(
+                f"overlapped gradient sync: {', '.join(missed)} took a gradient on an earlier "
+                "micro-step of this accumulation window but none on its last, so its replicas "
+                "would never be averaged; use every such parameter on the last micro-step too "
+                "(0 × its output in the loss will do), or set gradient_accumulation_steps 1")
 
     def take_timing(self) -> dict[str, float]:
         """Since the last call, and start counting again: ``windows`` (backward passes that

@@ -243,7 +243,7 @@ def _configure_collectives(model: nn.Module, ctx: RuntimeContext, *,
         for module in fsdp_modules:
             module.set_custom_reduce_scatter(reduce_scatter)
     if overlapped:  # FSDP2 averages over the partition group, gradient_sync over replicas
-        gradient_sync.attach(model, ctx.replica_sync_group(), device=ctx.device,
+        gradient_sync.attach(model, ctx.new_replica_sync_group(), device=ctx.device,
                              buffer_bytes=fusion_buffer_bytes)
     if ctx.plan.hierarchical_allgather:
         comm = HierarchicalAllGather(ctx.hierarchy_groups())
