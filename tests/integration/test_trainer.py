@@ -172,10 +172,11 @@ def test_bad_hyperparameters_are_one_line_errors_before_any_training(job, capsys
 
 
 
-def _tiny_fit(steps: int, loss_fn=None):
+def _tiny_fit(steps: int, loss_fn=None, **config):
     """One gloo rank trains gpt-neox-tiny for ``steps`` steps; returns the Trainer and result.
 
-    The process group is reused by later calls; the caller destroys it.
+    ``config``: more ``TrainerConfig`` fields. The process group is reused by later calls; the
+    caller destroys it.
     """
     import dtrain.runtime as rt
     from dtrain.runtime.models import from_preset
@@ -187,7 +188,8 @@ def _tiny_fit(steps: int, loss_fn=None):
     ctx = rt.init(distribution={"sharding_degree": 1})
     model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
     loader = DistributedTokenLoader(encode_bytes([CORPUS]), window=33, micro_batch_size=2)
-    trainer = Trainer(model, ctx, loss_fn or next_token_loss, config=TrainerConfig(steps=steps))
+    trainer = Trainer(model, ctx, loss_fn or next_token_loss,
+                      config=TrainerConfig(steps=steps, **config))
     return trainer, trainer.fit(loader)
 
 
@@ -283,6 +285,84 @@ def test_a_finished_run_leaves_a_checkpoint_of_its_last_step(job):
     assert latest_checkpoint(job / "checkpoints").name == "step-000002"
     assert (job / "model" / "config.json").is_file()
 
+
+
+def test_a_stop_right_after_an_interval_checkpoint_does_not_write_that_step_again(
+        job, monkeypatch):
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.train.checkpoint import CheckpointManager
+
+    saves, calls, save = [], [], CheckpointManager.save
+    monkeypatch.setattr(CheckpointManager, "save",
+                        lambda self, step, *a, **k: saves.append(step) or save(self, step, *a, **k))
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        if len(calls) == 2:  # in step 2, whose end writes the interval checkpoint
+            os.kill(os.getpid(), signal.SIGTERM)
+        return next_token_loss(model, batch)
+
+    try:
+        _, result = _tiny_fit(6, loss_fn, checkpoint_interval=2)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (result.step, result.preempted) == (2, True)
+    assert saves == [2]  # rewriting it would only spend the grace period
+    assert latest_checkpoint(job / "checkpoints").name == "step-000002"
+
+
+def test_a_loss_that_stays_nan_stops_training_with_the_reason(job, monkeypatch, caplog):
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.train import trainer
+
+    monkeypatch.setattr(trainer, "MAX_NONFINITE_STEPS", 3)
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(1)
+        loss, tokens = next_token_loss(model, batch)
+        return (loss * float("nan") if len(calls) > 2 else loss), tokens
+
+    with pytest.raises(FloatingPointError, match=r"^training stopped at step 5: the gradient norm "
+                                                 r"was not finite for 3 steps in a row"):
+        try:
+            _tiny_fit(10, loss_fn, checkpoint_interval=2)
+        finally:
+            torch.distributed.destroy_process_group()
+    skipped = [r.getMessage() for r in caplog.records if "optimizer step skipped" in r.getMessage()]
+    assert [line.split(":")[0] for line in skipped] == ["step 3", "step 4", "step 5"]
+    assert latest_checkpoint(job / "checkpoints").name == "step-000004"
+
+
+def test_checkpoint_saves_count_neither_in_the_step_time_nor_its_traffic(job, monkeypatch):
+    import time
+
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.train.checkpoint import CheckpointManager
+
+    save = CheckpointManager.save
+
+    def slow_save(self, *args, **kwargs):  # a save that all-reduces and takes a second
+        torch.distributed.all_reduce(torch.zeros(1000))
+        time.sleep(1.0)
+        return save(self, *args, **kwargs)
+
+    def slow_loss(model, batch):  # a step takes at least 0.2 s
+        time.sleep(0.2)
+        return next_token_loss(model, batch)
+
+    monkeypatch.setattr(CheckpointManager, "save", slow_save)
+    try:  # logged after steps 3 and 6; a checkpoint after step 4, inside the second window
+        _, result = _tiny_fit(6, slow_loss, checkpoint_interval=4, log_interval=3)
+    finally:
+        torch.distributed.destroy_process_group()
+    first, second = result.history
+    assert first["comm_calls_per_step"] == second["comm_calls_per_step"] > 0
+    tokens = 3 * 2 * 32  # 3 steps of 2 sequences of 32 predicted tokens
+    for window in (first, second):
+        # at most: 3 steps take at least 0.6 s (counting step 4 in the second window);
+        # at least: the 1 s save is not in it (with it, under tokens / 1.6 s)
+        assert tokens / 1.45 < window["tokens_per_s"] <= tokens / 0.6
 
 
 def test_the_final_model_save_can_be_skipped_and_an_impossible_format_is_refused_up_front(job):

@@ -43,9 +43,10 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,7 @@ class CommStats:
         self._counters = {row: _Counter() for row in self._rows}
         self._spans: dict[int, tuple[Any, _GroupSpan]] = {}
         self._lock = threading.Lock()
+        self._paused = 0  # > 0: inside paused(), nothing is counted
 
     def set_tensor_parallel_size(self, size: int) -> None:
         """Groups inside one block of ``size`` consecutive ranks count as tensor-parallel."""
@@ -155,6 +157,18 @@ class CommStats:
     def reset(self) -> None:
         with self._lock:
             self._counters = {row: _Counter() for row in self._rows}
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Collectives inside are not counted (a checkpoint's, between training steps), and
+        what was counted before stays."""
+        with self._lock:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused -= 1
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Counters per kind, ``"tensor_parallel"`` and ``"total"``; a copy, safe to keep across
@@ -172,6 +186,8 @@ class CommStats:
         span = self._span(group)
         intra, inter = split_bytes(kind, full_bytes, size=span.size, num_nodes=span.num_nodes)
         with self._lock:
+            if self._paused:
+                return
             counter = self._counters[TENSOR_PARALLEL if span.tensor_parallel else kind]
             counter.calls += 1
             counter.intra_bytes += intra
@@ -181,6 +197,8 @@ class CommStats:
         """Count one point-to-point send of ``nbytes`` to global rank ``peer``."""
         crosses = peer // self.local_world_size != dist.get_rank() // self.local_world_size
         with self._lock:
+            if self._paused:
+                return
             counter = self._counters[PIPELINE]
             counter.calls += 1
             if crosses:

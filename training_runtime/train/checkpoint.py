@@ -193,9 +193,15 @@ class CheckpointManager:
             _write_synced(tmp / COMPLETE, json.dumps({"step": step,
                                                       "world_size": dist.get_world_size(),
                                                       "state_layout": state_layout(model)}))
-            shutil.rmtree(final, ignore_errors=True)
+            # The same step again (a retried save): the old folder stays until the new one is in
+            # place, so a kill in between never leaves this step without a complete copy.
+            aside = final.with_name(final.name + ".old")
+            shutil.rmtree(aside, ignore_errors=True)
+            if final.exists():
+                os.replace(final, aside)
             os.replace(tmp, final)
             _fsync_dir(self.root)
+            shutil.rmtree(aside, ignore_errors=True)
             self._prune()
         dist.barrier()
         return final

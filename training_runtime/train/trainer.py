@@ -56,6 +56,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 LossFn = Callable[[nn.Module, Any], tuple[torch.Tensor, int]]
+# Optimizer steps skipped in a row for a non-finite gradient norm before training stops: fp16's
+# loss scale halves on each (16 take the default 2**16 to 1), so more means the model or data.
+MAX_NONFINITE_STEPS = 20
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,8 @@ class Trainer:
         self.peak, self.peak_is_nominal = m.peak_tflops(m.instance_type_from_env(),
                                                         device=ctx.device)
         self.step = 0
+        self._saved_step: int | None = None  # the step of the last checkpoint saved or loaded
+        self._nonfinite = 0  # optimizer steps skipped in a row (non-finite gradient norm)
 
     def fit(self, loader: Any) -> FitResult:
         """Train to ``config.steps`` optimizer steps, resuming from the newest checkpoint."""
@@ -192,10 +198,12 @@ class Trainer:
                     window = _Window()
                 interval = self.checkpoint_interval
                 if interval and self.step % interval == 0 and self.step < self.config.steps:
-                    self._save(checkpoints, loader)
-                    window.start = time.perf_counter()  # keep saving out of tokens/s
+                    saving = time.perf_counter()
+                    with self.ctx.comm_stats.paused():  # keep saving out of the step metrics
+                        self._save(checkpoints, loader)
+                    window.start += time.perf_counter() - saving
             if not result.preempted:
-                saved = self._finish(checkpoints, loader, resumed_from=result.resumed_from)
+                saved = self._finish(checkpoints, loader)
                 result.preempted = not saved
         finally:
             logger.close()
@@ -218,8 +226,29 @@ class Trainer:
         lr = self.schedule.apply(self.optimizer, self.step)
         if self.scaler.update(scaled_norm):
             self.optimizer.step()
+            self._nonfinite = 0
+        else:
+            self._skip_nonfinite(loss_sum / steps, scaled_norm)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / steps, tokens, grad_norm, lr
+
+    def _skip_nonfinite(self, loss: torch.Tensor, scaled_norm: float) -> None:
+        """An optimizer step skipped (every rank alike: the norm is global); say so, and stop
+        training after :data:`MAX_NONFINITE_STEPS` in a row rather than run on unchanged."""
+        self._nonfinite += 1
+        step = self.step + 1
+        if self.scaler.enabled:
+            logger.info("step %d: gradients overflowed at loss scale %g; step skipped, scale "
+                        "halved", step, self.scaler.scale * 2)
+        else:
+            logger.warning("step %d: gradient norm %s (this rank's loss %s); optimizer step "
+                           "skipped", step, scaled_norm, float(loss))
+        if self._nonfinite >= MAX_NONFINITE_STEPS:
+            raise FloatingPointError(
+                f"training stopped at step {step}: the gradient norm was not finite for "
+                f"{self._nonfinite} steps in a row, so the model stopped changing (this rank's "
+                f"loss {float(loss)}); the last checkpoint holds the model before them. Lower "
+                "lr, check the data for bad values, or use bf16 or fp32 instead of fp16")
 
     def _forward_backward(self, batches: Iterator[Any], *, scale: float
                           ) -> tuple[torch.Tensor, int]:
@@ -238,11 +267,9 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks stop at the same step
         return bool(flag.item())
 
-    def _finish(self, checkpoints: CheckpointManager, loader: Any, *,
-                resumed_from: int | None) -> bool:
+    def _finish(self, checkpoints: CheckpointManager, loader: Any) -> bool:
         """The last checkpoint, then the model; False when a stop came before the model save."""
-        if resumed_from != self.step:  # a job resumed at the last step has that checkpoint
-            self._save(checkpoints, loader)
+        self._save(checkpoints, loader)
         if self._stop_requested():
             return False
         # Still under the stop flag: a SIGTERM now lets the save finish (within the agent's
@@ -260,14 +287,20 @@ class Trainer:
                 "total_steps": self.config.steps}
 
     def _save(self, checkpoints: CheckpointManager, loader: Any) -> None:
+        """A checkpoint of this step, unless it has one already (saved at an interval, or
+        resumed from, just before a stop or the end): rewriting it only spends the grace
+        period."""
+        if self._saved_step == self.step:
+            return
         checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state(loader))
+        self._saved_step = self.step
 
     def _resume(self, checkpoints: CheckpointManager, loader: Any) -> int | None:
         path = checkpoints.latest()
         if path is None:
             return None
         state = checkpoints.load(path, self.model, self.optimizer)
-        self.step = int(state["step"])
+        self.step = self._saved_step = int(state["step"])
         self.scaler.load_state_dict(state["loss_scaler"])
         if state.get("data") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(state["data"])
