@@ -340,3 +340,16 @@ def test_a_peers_failure_report_stops_this_nodes_workers_at_once(s3, tmp_path, m
     assert f"node {IPS[1]} reported a failure: stopping this node's workers" in capfd.readouterr().err
     report = read_json(s3, s3_uri.split(f"{config['prefix']}/status/{IPS[0]}.json")[1])
     assert report["state"] == "stopped"
+
+
+def test_a_checkpoints_complete_marker_is_uploaded_after_its_shards(tmp_path):
+    from dtrain.core.checkpoint_layout import COMPLETE
+
+    folder = tmp_path / "step-000004"
+    (folder / "rng").mkdir(parents=True)
+    for name in (COMPLETE, "__0_0.distcp", ".metadata", "trainer.json", "rng/rank-00000.pt"):
+        (folder / name).write_text("x")
+    keys = []
+    uploader = type("Client", (), {"upload_file": lambda self, path, bucket, key: keys.append(key)})
+    assert boot.upload_dir(uploader(), str(folder), "s3://b/ckpt/step-000004") == 5
+    assert keys[-1] == f"ckpt/step-000004/{COMPLETE}" and len(set(keys)) == 5

@@ -365,6 +365,21 @@ def test_checkpoint_saves_count_neither_in_the_step_time_nor_its_traffic(job, mo
         assert tokens / 1.45 < window["tokens_per_s"] <= tokens / 0.6
 
 
+def test_a_checkpoint_missing_a_shard_is_passed_over_for_the_one_before(job, capsys):
+    try:
+        _tiny_fit(4, checkpoint_interval=2)  # step-000002 and step-000004
+        newest = job / "checkpoints" / "step-000004"
+        shard = next(newest.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])  # a merged copy that lost part of a host's
+        capsys.readouterr()
+        _, result = _tiny_fit(6, checkpoint_interval=2)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (result.resumed_from, result.step) == (2, 6)
+    assert (f"dtrain: not resuming from {newest}: {shard.name} missing or cut short; trying "
+            "the checkpoint before it") in capsys.readouterr().out
+
+
 def test_the_final_model_save_can_be_skipped_and_an_impossible_format_is_refused_up_front(job):
     import dtrain.runtime as rt
     from dtrain.runtime.recipes.causal_lm import next_token_loss

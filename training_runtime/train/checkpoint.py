@@ -11,7 +11,8 @@ Layout under the contract's checkpoint folder (``DTRAIN_CHECKPOINT_DIR``)::
 
 A checkpoint is written to ``step-N.tmp``, every rank finishes (barrier), then ``COMPLETE`` is
 written and the folder renamed to ``step-N`` — a rename is atomic, so a reader sees a whole
-checkpoint or none. Only folders named ``step-N`` that hold ``COMPLETE`` are loaded.
+checkpoint or none. Only folders named ``step-N`` that hold ``COMPLETE`` are loaded, and on resume
+only those holding every file their metadata names, whole (:func:`missing_files`).
 
 The folder should be shared by all hosts (the local target, a shared file system). Where each
 host has its own folder that a sync merges later (SageMaker's and dtrain's EC2 checkpoint upload
@@ -184,12 +185,17 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         (tmp / "rng").mkdir(exist_ok=True)
-        torch.save(rng_state(), tmp / "rng" / f"rank-{self.rank:05d}.pt")
+        with open(tmp / "rng" / f"rank-{self.rank:05d}.pt", "wb") as rng_file:
+            torch.save(rng_state(), rng_file)
+            rng_file.flush()
+            os.fsync(rng_file.fileno())
         metadata = self._share_metadata(tmp)
         if self.is_writer:
             if metadata is not None:
-                (tmp / METADATA).write_bytes(metadata)
-            (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, **trainer_state}))
+                _write_synced(tmp / METADATA, metadata)
+            # synced before COMPLETE, as DCP syncs its shards: a power cut cannot leave a
+            # complete-looking folder with a torn file
+            _write_synced(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}))
             _write_synced(tmp / COMPLETE, json.dumps({"step": step,
                                                       "world_size": dist.get_world_size(),
                                                       "state_layout": state_layout(model)}))
@@ -226,8 +232,12 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint as rank 0 sees it (all ranks agree)."""
-        choice = [str(latest_checkpoint(self.root) or "") if self.rank == 0 else None]
+        """The newest complete checkpoint as rank 0 sees it (all ranks agree): marked
+        ``COMPLETE`` and holding every file its metadata names, whole. A merged copy can lack a
+        host's shards (that host died between its own ``COMPLETE`` and the upload, or a sync
+        copied ``COMPLETE`` first); such a folder is passed over, with a line saying why, for
+        the one before it."""
+        choice = [str(self._newest_whole() or "") if self.rank == 0 else None]
         dist.broadcast_object_list(choice, src=0)
         if not choice[0]:
             return None
@@ -238,6 +248,15 @@ class CheckpointManager:
                 "every host the same checkpoint folder (a shared file system or a restored copy)"
             )
         return path
+
+    def _newest_whole(self) -> Path | None:
+        for _, folder in reversed(complete_checkpoints(self.root)):
+            missing = missing_files(folder)
+            if not missing:
+                return folder
+            print(f"dtrain: not resuming from {folder}: {', '.join(missing[:3])} missing or "
+                  "cut short; trying the checkpoint before it", flush=True)
+        return None
 
     def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
              ) -> dict[str, Any]:
@@ -391,9 +410,25 @@ def _move_file(source: Path, target: Path) -> None:
         source.unlink()
 
 
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+def missing_files(folder: Path) -> list[str]:
+    """Files a checkpoint folder needs that are absent or shorter than its metadata says."""
+    if not (folder / TRAINER_STATE).is_file():
+        return [TRAINER_STATE]
+    try:
+        storage = dcp.FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception:  # noqa: BLE001 -- absent, cut short or not DCP's: not loadable either way
+        return [METADATA]
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    return sorted(name for name, size in needed.items()
+                  if not (folder / name).is_file() or (folder / name).stat().st_size < size)
+
+
+def _write_synced(path: Path, data: str | bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
         f.flush()
         os.fsync(f.fileno())
 

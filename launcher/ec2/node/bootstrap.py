@@ -90,14 +90,13 @@ def download_prefix(client, uri: str, folder: str) -> None:
 
 
 def upload_dir(client, folder: str, uri: str) -> int:
-    count = 0
-    for base, _dirs, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(base, name)
-            bucket, key = s3.split(s3.join(uri, os.path.relpath(path, folder).replace(os.sep, "/")))
-            client.upload_file(path, bucket, key)
-            count += 1
-    return count
+    """Upload ``folder``'s files under ``uri``; a checkpoint's ``COMPLETE`` marker last, so a
+    copy in S3 is never marked complete before its shards are there."""
+    paths = [os.path.join(base, name) for base, _dirs, files in os.walk(folder) for name in files]
+    for path in sorted(paths, key=lambda p: (os.path.basename(p) == checkpoint_layout.COMPLETE, p)):
+        bucket, key = s3.split(s3.join(uri, os.path.relpath(path, folder).replace(os.sep, "/")))
+        client.upload_file(path, bucket, key)
+    return len(paths)
 
 
 # ---------------------------------------------------------------- steps
