@@ -380,6 +380,30 @@ def test_a_checkpoint_missing_a_shard_is_passed_over_for_the_one_before(job, cap
             "the checkpoint before it") in capsys.readouterr().out
 
 
+def test_resuming_with_a_loader_that_cannot_restore_its_position_says_so(job, caplog):
+    import dtrain.runtime as rt
+    from dtrain.runtime.models import from_preset
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.train.data import DistributedTokenLoader
+    from dtrain.runtime.train.tokenize import encode_bytes
+    from dtrain.runtime.train.trainer import Trainer, TrainerConfig
+
+    class Batches:  # iterable, no state_dict: a user's own loader
+        def __iter__(self):
+            return iter(DistributedTokenLoader(encode_bytes([CORPUS]), window=33,
+                                               micro_batch_size=2))
+
+    try:
+        for steps in (2, 3):
+            ctx = rt.init(distribution={"sharding_degree": 1})
+            model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
+            Trainer(model, ctx, next_token_loss, config=TrainerConfig(steps=steps)).fit(Batches())
+    finally:
+        torch.distributed.destroy_process_group()
+    assert any("resumed at step 2, but the loader (Batches) has no load_state_dict" in
+               r.getMessage() for r in caplog.records)
+
+
 def test_the_final_model_save_can_be_skipped_and_an_impossible_format_is_refused_up_front(job):
     import dtrain.runtime as rt
     from dtrain.runtime.recipes.causal_lm import next_token_loss

@@ -304,6 +304,11 @@ class Trainer:
         self.scaler.load_state_dict(state["loss_scaler"])
         if state.get("data") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(state["data"])
+        elif not hasattr(loader, "load_state_dict"):
+            logger.warning("resumed at step %d, but the loader (%s) has no load_state_dict: it "
+                           "starts its data from the beginning again (DistributedTokenLoader "
+                           "resumes where the checkpoint left it)", self.step,
+                           type(loader).__name__)
         if self.ctx.is_main:
             print(f"dtrain: resumed from {path} at step {self.step}", flush=True)
         return self.step
