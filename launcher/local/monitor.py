@@ -36,14 +36,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_agents(request: dict, job_dir: str) -> list[subprocess.Popen]:
+def start_agents(request: dict, job_dir: str, agents: list[subprocess.Popen]) -> None:
+    """Start one node agent per host, appending each to ``agents`` as it starts (so a failure
+    half-way leaves the started ones where the caller stops them)."""
     hosts = request["payload"]["hosts"]
     env = dict(os.environ, **request["payload"].get("environment", {}),
                **{logformat.STAMP_ENV: "1"},
                DTRAIN_MASTER_ADDR="127.0.0.1", PYTHONUNBUFFERED="1")
     if len(hosts) > 1:
         env[contract.MASTER_PORT_ENV] = str(free_port())
-    agents = []
     for host in hosts:
         with open(agent_log(job_dir, host), "ab") as log:
             agents.append(subprocess.Popen(
@@ -51,7 +52,6 @@ def start_agents(request: dict, job_dir: str) -> list[subprocess.Popen]:
                  "--grace-period", str(request["grace_period_s"])],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))
-    return agents
 
 
 def wait_for_agents(agents: list[subprocess.Popen], timeout_s: float, *,
@@ -84,8 +84,21 @@ def _signal_groups(agents: list[subprocess.Popen], sig: int) -> None:
 
 
 def supervise(request: dict, job_dir: str, stop_requested: list) -> None:
+    """Start the agents and watch them to the end; should the watching itself fail (a full
+    disk under the state file, a bug), the agents are stopped before the error goes on: the
+    job then shows Failed, and nothing of it runs unwatched."""
+    agents: list[subprocess.Popen] = []
+    try:
+        _watch(request, job_dir, stop_requested, agents)
+    except BaseException:
+        stop_agents(agents, float(request["grace_period_s"]))
+        raise
+
+
+def _watch(request: dict, job_dir: str, stop_requested: list,
+           agents: list[subprocess.Popen]) -> None:
     write_state(job_dir, status=STARTING, monitor=process.this_process())
-    agents = start_agents(request, job_dir)
+    start_agents(request, job_dir, agents)
     write_state(job_dir, status=RUNNING, started_at=time.time(),
                 agents=[process.describe(a.pid) for a in agents])
     grace = float(request["grace_period_s"])

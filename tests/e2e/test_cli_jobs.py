@@ -58,10 +58,13 @@ def test_stop_during_a_run_ends_every_process_within_the_grace_period(
         assert time.monotonic() < deadline, status_of(job)
         time.sleep(0.5)
     dtrain("stop", job)
-    stopped_at = time.monotonic()
-    while status_of(job)["status"] != "Stopped":
+    stopped_at, seen = time.monotonic(), []
+    while (status := status_of(job)["status"]) != "Stopped":
+        seen.append(status)
         assert time.monotonic() - stopped_at < 20, status_of(job)
         time.sleep(0.3)
+    # the workers ignore SIGTERM: the grace period runs, and the job reads Stopping throughout
+    assert seen and set(seen) == {"Stopping"}, seen
     assert live_processes(str(dtrain_home)) == [] and live_processes(str(tmp_path)) == []
 
 
