@@ -286,13 +286,14 @@ def stop(job: str, wait: bool, output: str) -> None:
     """Stop a job: workers get SIGTERM, then SIGKILL after the grace period."""
     from dtrain.jobs import api as jobs
 
+    # as last recorded, before the stop (its own note on a shared name comes with the stop)
+    ended = jobs.find(job, on_note=lambda _line: None).status in (COMPLETED, FAILED)
     record = jobs.stop(job, wait=wait)
     if output == "json":
         echo_json(record.to_dict())
     else:
         click.echo(f"{record.id} {record.name}: {record.status}")
-        if record.status in (COMPLETED, FAILED):
-            # a stop still ends what of it runs (an EC2 peer of a failed node)
+        if ended:  # a stop still ends what of it runs (an EC2 peer of a failed node)
             click.echo(f"job {job} had already ended ({record.status}); the stop only ended "
                        "what of it may still have run", err=True)
 

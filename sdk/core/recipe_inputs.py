@@ -17,13 +17,14 @@ from typing import Any
 from dtrain.core import presets
 
 # The recipes' defaults for what these checks read (training_runtime/recipes/common.py).
-DEFAULTS = {"steps": 100, "micro_batch_size": 8, "seq_len": 128, "data": "train"}
+DEFAULTS = {"steps": 100, "micro_batch_size": 8, "seq_len": 128, "log_interval": 10,
+            "data": "train"}
 DEFAULT_MODELS = {"causal_lm": "gpt-neox-tiny", "masked_lm": "bert-tiny"}
-POSITIVE = ("steps", "micro_batch_size", "seq_len")
+POSITIVE = ("steps", "micro_batch_size", "seq_len", "log_interval")
 # The recipes' other numeric hyperparameters and their types: the recipes' parser takes its
 # types from here, so what validation accepts is what the recipe parses.
 NUMERIC = {"lr": float, "min_lr_ratio": float, "warmup_steps": int, "weight_decay": float,
-           "max_grad_norm": float, "log_interval": int, "seed": int}
+           "max_grad_norm": float, "seed": int}
 TOKENS_FILE, META_FILE = "tokens.bin", "tokens.json"  # a token channel (dtrain.runtime.train.data)
 BINARY_PROBE_BYTES = 8000  # as git: a NUL byte in a file's first 8000 bytes makes it binary
 MAX_FILES_PROBED = 10_000
@@ -73,9 +74,15 @@ def _data_channel_problems(hps: Mapping[str, Any], channels: list[str]) -> list[
     """``data`` names a channel the job lacks: a bare name (no ``/``, no ``.``) is a channel,
     anything else a path in the container, checked where it runs."""
     data = str(hps.get("data", DEFAULTS["data"]))
-    if "/" in data or "." in data or data.lower() in {name.lower() for name in channels}:
+    if "/" in data or "." in data or find_channel(data, channels) is not None:
         return []
     return [missing_data(data, channels, default="data" not in hps)]
+
+
+def find_channel(name: str, channels: Collection[str]) -> str | None:
+    """The channel ``name`` means: SM_CHANNEL_* variables are upper-case, so names match
+    case-blind."""
+    return next((channel for channel in channels if channel.lower() == name.lower()), None)
 
 
 def missing_data(data: str, channels: Collection[str], *, host: str | None = None,

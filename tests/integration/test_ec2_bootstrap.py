@@ -342,7 +342,7 @@ def test_a_peers_failure_report_stops_this_nodes_workers_at_once(s3, tmp_path, m
     assert report["state"] == "stopped"
 
 
-def test_a_checkpoints_complete_marker_is_uploaded_after_its_shards(tmp_path):
+def test_a_checkpoints_complete_marker_is_uploaded_after_its_shards(tmp_path, monkeypatch):
     from dtrain.core.checkpoint_layout import COMPLETE
 
     folder = tmp_path / "step-000004"
@@ -351,5 +351,12 @@ def test_a_checkpoints_complete_marker_is_uploaded_after_its_shards(tmp_path):
         (folder / name).write_text("x")
     keys = []
     uploader = type("Client", (), {"upload_file": lambda self, path, bucket, key: keys.append(key)})
+    walk = boot.os.walk  # the marker first, as a directory listing may give it
+
+    def marker_first(top):
+        for base, dirs, files in walk(top):
+            yield base, dirs, sorted(files, key=lambda name: name != COMPLETE)
+
+    monkeypatch.setattr(boot.os, "walk", marker_first)
     assert boot.upload_dir(uploader(), str(folder), "s3://b/ckpt/step-000004") == 5
     assert keys[-1] == f"ckpt/step-000004/{COMPLETE}" and len(set(keys)) == 5

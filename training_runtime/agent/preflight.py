@@ -22,9 +22,9 @@ def input_problems(contract: c.Contract) -> list[str]:
     data = str(hps.get("data", recipe_inputs.DEFAULTS["data"]))
     if Path(data).exists():  # the recipe's own order: a path first, then a channel
         return problems + recipe_inputs.data_problems(Path(data), what="hyperparameters.data")
-    channels = {name.lower(): path for name, path in contract.channels.items()}
-    if data.lower() in channels:  # SM_CHANNEL_* names are case-blind
-        return problems + recipe_inputs.data_problems(Path(channels[data.lower()]),
+    channel = recipe_inputs.find_channel(data, contract.channels)
+    if channel is not None:
+        return problems + recipe_inputs.data_problems(Path(contract.channels[channel]),
                                                       what=f"inputs.{data}")
     return [*problems, recipe_inputs.missing_data(data, contract.channels,
                                                   host=contract.current_host,

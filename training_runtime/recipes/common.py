@@ -59,7 +59,7 @@ def build_parser(prog: str, description: str, *, recipe: str,
     p.add_argument("--warmup_steps", type=recipe_inputs.NUMERIC["warmup_steps"], default=10)
     p.add_argument("--weight_decay", type=recipe_inputs.NUMERIC["weight_decay"], default=0.1)
     p.add_argument("--max_grad_norm", type=recipe_inputs.NUMERIC["max_grad_norm"], default=1.0)
-    p.add_argument("--log_interval", type=recipe_inputs.NUMERIC["log_interval"], default=10)
+    p.add_argument("--log_interval", type=int, default=recipe_inputs.DEFAULTS["log_interval"])
     for name, field_name in DEPRECATED_CHECKPOINT_ARGS.items():
         p.add_argument(f"--{name}", type=int, default=None,
                        help=f"deprecated: set {field_name} in the job spec instead")

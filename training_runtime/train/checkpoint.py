@@ -24,6 +24,7 @@ those targets restore before the job starts.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import random
@@ -185,10 +186,9 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         (tmp / "rng").mkdir(exist_ok=True)
-        with open(tmp / "rng" / f"rank-{self.rank:05d}.pt", "wb") as rng_file:
-            torch.save(rng_state(), rng_file)
-            rng_file.flush()
-            os.fsync(rng_file.fileno())
+        rng = io.BytesIO()
+        torch.save(rng_state(), rng)
+        _write_synced(tmp / "rng" / f"rank-{self.rank:05d}.pt", rng.getvalue())
         metadata = self._share_metadata(tmp)
         if self.is_writer:
             if metadata is not None:
@@ -199,16 +199,11 @@ class CheckpointManager:
             _write_synced(tmp / COMPLETE, json.dumps({"step": step,
                                                       "world_size": dist.get_world_size(),
                                                       "state_layout": state_layout(model)}))
-            # The same step again (a retried save): the old folder stays until the new one is in
-            # place, so a kill in between never leaves this step without a complete copy.
-            aside = final.with_name(final.name + ".old")
-            shutil.rmtree(aside, ignore_errors=True)
-            if final.exists():
-                os.replace(final, aside)
+            # a folder of this step already here is one resume passed over (files missing)
+            shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             _fsync_dir(self.root)
-            shutil.rmtree(aside, ignore_errors=True)
-            self._prune()
+            self._prune(step)
         dist.barrier()
         return final
 
@@ -221,8 +216,11 @@ class CheckpointManager:
         dist.broadcast_object_list(payload, src=0)
         return payload[0] if self.rank != 0 else None
 
-    def _prune(self) -> None:
-        found = complete_checkpoints(self.root)
+    def _prune(self, saved: int) -> None:
+        """Keep the newest ``keep_last`` up to the step just ``saved``; newer folders are ones
+        resume passed over (files missing) and count for nothing."""
+        found = [(step, folder) for step, folder in complete_checkpoints(self.root)
+                 if step <= saved]
         for _, folder in found[:-self.keep_last]:
             shutil.rmtree(folder, ignore_errors=True)
         newest = found[-1][0] if found else -1

@@ -224,22 +224,23 @@ class Trainer:
             self.params, max_norm=self.config.max_grad_norm, loss_scale=self.scaler.scale,
             across=self.pipeline.pipeline_group if self.pipeline else None)
         lr = self.schedule.apply(self.optimizer, self.step)
+        scale = self.scaler.scale
         if self.scaler.update(scaled_norm):
             self.optimizer.step()
             self._nonfinite = 0
         else:
-            self._skip_nonfinite(loss_sum / steps, scaled_norm)
+            self._skip_nonfinite(loss_sum / steps, scaled_norm, scale=scale)
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / steps, tokens, grad_norm, lr
 
-    def _skip_nonfinite(self, loss: torch.Tensor, scaled_norm: float) -> None:
+    def _skip_nonfinite(self, loss: torch.Tensor, scaled_norm: float, *, scale: float) -> None:
         """An optimizer step skipped (every rank alike: the norm is global); say so, and stop
         training after :data:`MAX_NONFINITE_STEPS` in a row rather than run on unchanged."""
         self._nonfinite += 1
         step = self.step + 1
         if self.scaler.enabled:
-            logger.info("step %d: gradients overflowed at loss scale %g; step skipped, scale "
-                        "halved", step, self.scaler.scale * 2)
+            logger.info("step %d: gradients overflowed at loss scale %g; optimizer step "
+                        "skipped, scale now %g", step, scale, self.scaler.scale)
         else:
             logger.warning("step %d: gradient norm %s (this rank's loss %s); optimizer step "
                            "skipped", step, scaled_norm, float(loss))
