@@ -64,8 +64,9 @@ def error_code(exc: BaseException) -> str | None:
     return match.group(1) if match else None
 
 
-def as_dtrain_error(exc: BaseException, action: str) -> DtrainError:
-    """A botocore ClientError as one line: what failed, AWS's message verbatim, the fix."""
+def as_dtrain_error(exc: BaseException, action: str, *, fix: str | None = None) -> DtrainError:
+    """A botocore ClientError as one line: what failed, AWS's message verbatim, the fix
+    (``fix``, else the one :data:`USER_ERROR_CODES` has for the code)."""
     code = error_code(exc) or type(exc).__name__
     message = ""
     response = getattr(exc, "response", None)
@@ -79,7 +80,7 @@ def as_dtrain_error(exc: BaseException, action: str) -> DtrainError:
             if isinstance(response, dict) else None
         text = " ".join(_TAG.sub(" ", message).split())[:200]
         message = f"the service answered with an HTML page (HTTP {status or '?'}): {text}"
-    fix = USER_ERROR_CODES.get(code)
+    fix = fix or USER_ERROR_CODES.get(code)
     return DtrainError(f"{action} failed: {code}: {message}" + (f"; {fix}" if fix else ""))
 
 

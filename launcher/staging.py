@@ -39,7 +39,21 @@ def stage_inputs(inputs: dict[str, str], job_dir: str, *, s3_client: Any = None
 
 
 def download_prefix(client: Any, uri: str, folder: str) -> str:
-    """Every object under ``uri`` into ``folder`` (keys relative to the prefix); returns it."""
+    """Every object under ``uri`` into ``folder`` (keys relative to the prefix); returns it.
+    An AWS error (no such bucket, no credentials, access denied) is a one-line DtrainError."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from dtrain.launcher import aws
+
+    try:
+        return _download_prefix(client, uri, folder)
+    except (ClientError, BotoCoreError) as exc:
+        raise aws.as_dtrain_error(exc, f"downloading input {uri}", fix=(
+            "fix the input's URI under inputs, or check that your AWS credentials can read "
+            "it")) from None
+
+
+def _download_prefix(client: Any, uri: str, folder: str) -> str:
     bucket, prefix = s3.split(uri)
     count = 0
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):

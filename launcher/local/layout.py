@@ -7,8 +7,10 @@ store: the jobs layer writes what ``status`` returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from typing import Any
 
 from dtrain.launcher.agents import agent_log, host_root  # noqa: F401 - this layout, shared
@@ -29,10 +31,18 @@ def read_state(job_dir: str) -> dict[str, Any]:
 
 
 def write_state(job_dir: str, **facts: Any) -> dict[str, Any]:
-    """Merge ``facts`` into the facts file, atomically (a reader never sees half a file)."""
+    """Merge ``facts`` into the facts file, atomically (a reader never sees half a file); each
+    writer has a temporary file of its own (the monitor and a `dtrain status` recovering the
+    job may write at once)."""
     state = {**read_state(job_dir), **facts}
     path = os.path.join(job_dir, STATE_FILE)
-    with open(f"{path}.tmp", "w") as fh:
-        json.dump(state, fh, indent=2, sort_keys=True)
-    os.replace(f"{path}.tmp", path)
+    fd, tmp = tempfile.mkstemp(dir=job_dir, prefix=f".{STATE_FILE}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(state, fh, indent=2, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return state

@@ -284,7 +284,8 @@ class JobStore:
         rows = self._query(f"SELECT {cols} FROM jobs WHERE id = ?", (ref,))
         if not rows:
             rows = self._query(
-                f"SELECT {cols} FROM jobs WHERE name = ? OR json_extract(spec, '$.name') = ? "
+                f"SELECT {cols} FROM jobs WHERE name = ? OR (json_valid(spec) AND "
+                "json_extract(spec, '$.name') = ?) "
                 "ORDER BY created_at DESC, rowid DESC", (ref, ref))
         if not rows and ref:
             pattern = ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"

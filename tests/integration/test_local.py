@@ -112,6 +112,19 @@ def test_s3_inputs_are_downloaded_into_every_host_channel(tmp_path, monkeypatch)
     assert Path(f"{folder}/sub/part-1.txt").read_text() == "world"
 
 
+def test_an_s3_input_in_a_bucket_that_does_not_exist_is_a_one_line_error(tmp_path, monkeypatch):
+    import moto
+    from dtrain.core.errors import DtrainError
+    from dtrain.launcher.staging import stage_inputs
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with moto.mock_aws(), pytest.raises(DtrainError) as caught:
+        stage_inputs({"train": "s3://no-such-bucket/corpus"}, str(tmp_path / "job"),
+                     s3_client=boto3.client("s3", region_name="us-east-1"))
+    assert "downloading input s3://no-such-bucket/corpus" in str(caught.value)
+    assert "NoSuchBucket" in str(caught.value) and "\n" not in str(caught.value)
+
+
 def test_local_input_paths_reach_the_script_as_channels(tmp_path):
     data = tmp_path / "data.txt"
     data.write_text("abc")

@@ -288,6 +288,24 @@ def test_what_sagemaker_would_reject_is_a_validation_rule(override, message):
         example_spec(override)
 
 
+def test_sagemaker_s_key_and_tag_limits_are_validation_rules_with_room_for_dtrain_s_own():
+    from dtrain.spec.rules import sagemaker as rules
+
+    spec = example_spec()
+    reserved = set(build(spec)["HyperParameters"]) - set(spec.hyperparameters)
+    assert len(reserved) <= rules.RESERVED_HYPERPARAMETERS  # what the rule leaves room for
+    assert len(build(spec)["Tags"]) - len(spec.tags) == rules.RESERVED_TAGS
+    data = spec.model_dump(mode="json")
+    room = rules.MAX_HYPERPARAMETERS - rules.RESERVED_HYPERPARAMETERS
+    for hps, tags, message in (
+            ({f"k{i}": i for i in range(room + 1)}, {}, rf"hyperparameters: {room + 1} keys"),
+            ({"k" * 257: 1}, {}, "a key of 257 characters, above SageMaker's 256"),
+            ({}, {f"t{i}": "v" for i in range(49)}, "tags: 49 tags, above the 48")):
+        with pytest.raises(SpecError, match=message):
+            JobSpec.from_dict({**data, "hyperparameters": hps, "tags": tags})
+    JobSpec.from_dict({**data, "hyperparameters": {f"k{i}": i for i in range(room)}})
+
+
 def test_uploads_are_the_source_archive_wheel_and_entry_script_under_the_code_channel():
     spec = example_spec()
     request = build_request(spec)

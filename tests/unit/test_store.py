@@ -50,6 +50,18 @@ def test_find_by_id_prefix_or_latest_name():
         store.find("zzz")
 
 
+def test_a_damaged_row_does_not_break_lookups_by_name():
+    import sqlite3
+
+    store = JobStore()
+    store.create(name="broken", target="local", spec={"name": "broken"}, job_id="bad000")
+    wanted = store.create(name="fine", target="local", spec={"name": "fine"}, job_id="good00")
+    with sqlite3.connect(store.path) as db:  # a record torn by hand or by a disk fault
+        db.execute("UPDATE jobs SET spec = '{not json' WHERE id = 'bad000'")
+    assert store.find("fine").id == wanted.id
+    assert store.find("bad").id == "bad000"  # by id prefix it is still there
+
+
 def test_list_is_newest_first_and_filters():
     store = JobStore()
     ids = [store.create(name=f"j{i}", target="local" if i % 2 else "ec2", spec={}).id

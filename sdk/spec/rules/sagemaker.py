@@ -10,6 +10,13 @@ from dtrain.core import aws, aws_images, instances, torch_support
 from dtrain.spec.rules.common import Findings, cloud_paths
 
 MAX_HYPERPARAMETER_CHARS = 2500  # SageMaker's limit on one hyperparameter value
+MAX_HYPERPARAMETERS = 100  # SageMaker's limit on keys, dtrain's own and the toolkit's included
+MAX_HYPERPARAMETER_KEY_CHARS = 256
+# the most keys a job adds (sagemaker_* for the toolkit, dtrain_* for the runtime); a unit test
+# holds it to what launcher.sagemaker.request builds
+RESERVED_HYPERPARAMETERS = 15
+MAX_TAGS = 50  # SageMaker's limit on a training job's tags
+RESERVED_TAGS = 2  # dtrain:job, dtrain:created-by
 
 
 def offered_on_sagemaker(spec, ctx: Findings) -> None:
@@ -40,6 +47,21 @@ def sagemaker_settings(spec, ctx: Findings) -> None:
 
 
 def hyperparameters_fit(spec, ctx: Findings) -> None:
+    room = MAX_HYPERPARAMETERS - RESERVED_HYPERPARAMETERS
+    if len(spec.hyperparameters) > room:
+        ctx.problems.append(
+            f"hyperparameters: {len(spec.hyperparameters)} keys, above the {room} SageMaker has "
+            f"room for ({MAX_HYPERPARAMETERS} with dtrain's own {RESERVED_HYPERPARAMETERS}); "
+            "group settings under one key as a mapping")
+    for key in spec.hyperparameters:
+        if len(key) > MAX_HYPERPARAMETER_KEY_CHARS:
+            ctx.problems.append(
+                f"hyperparameters.{key[:40]}...: a key of {len(key)} characters, above "
+                f"SageMaker's {MAX_HYPERPARAMETER_KEY_CHARS}; shorten it")
+    room = MAX_TAGS - RESERVED_TAGS
+    if len(spec.tags) > room:
+        ctx.problems.append(f"tags: {len(spec.tags)} tags, above the {room} SageMaker has room "
+                            f"for ({MAX_TAGS} with dtrain's {RESERVED_TAGS}); drop some")
     for key, value in spec.hyperparameters.items():
         size = len(json.dumps(value))
         if size > MAX_HYPERPARAMETER_CHARS:
