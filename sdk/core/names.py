@@ -1,6 +1,6 @@
 """Job names: the one rule for what a name may be and how one is made from other text.
 
-A spec's ``name`` is 1-40 letters, digits and hyphens (room for the ``-YYYYmmdd-HHMMSS`` stamp
+A spec's ``name`` is 1-40 letters, digits and hyphens (room for the ``-YYYYmmdd-HHMMSS-mmm`` stamp
 the cloud targets add, within SageMaker's 63-character limit). Stdlib only.
 """
 
@@ -42,7 +42,8 @@ def from_entry_point(entry_point: str) -> str:
 
 
 def timestamped(base: str, *, now: datetime) -> str:
-    """``<base>-YYYYmmdd-HHMMSS`` like the SageMaker SDK's ``base_job_name`` (max 63 chars):
-    the name a cloud target's job gets, unique per submission."""
-    stamp = now.strftime("%Y%m%d-%H%M%S")
+    """``<base>-YYYYmmdd-HHMMSS-mmm`` (milliseconds last, as the SageMaker SDK's
+    ``base_job_name`` stamps; max 63 chars): the name a cloud target's job gets, unique per
+    submission, also for two submits in the same second (their code would share an S3 prefix)."""
+    stamp = f"{now.strftime('%Y%m%d-%H%M%S')}-{now.microsecond // 1000:03d}"
     return f"{sanitize(base, max_length=MAX_TARGET_LENGTH - len(stamp) - 1)}-{stamp}"

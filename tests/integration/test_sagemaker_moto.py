@@ -102,7 +102,7 @@ def test_submitted_job_is_in_the_store_with_its_sagemaker_state(submitted):
     name = facts["job_name"]
     record = JobStore().get(facts["record"].id)
     assert record.target == "sagemaker" and record.status == "Starting"
-    assert name.startswith("pythia-1b-p4d-") and len(name) == len("pythia-1b-p4d-") + 15
+    assert name.startswith("pythia-1b-p4d-") and len(name) == len("pythia-1b-p4d-") + len("YYYYmmdd-HHMMSS-mmm")
     state = record.target_data
     assert (state["training_job_name"], state["region"]) == (name, "us-east-1")
     assert state["arn"].endswith(f"training-job/{name}")

@@ -383,3 +383,16 @@ def test_sagemaker_framework_keys_never_reach_the_user_script(tmp_path):
     read = contract.read_contract(str(tmp_path), num_gpus=8)
     assert not [a for a in read.user_args() if a.startswith(("--sagemaker_", "--dtrain_"))]
     assert "--lr" in read.user_args() and read.settings.processes_per_host == 8
+
+
+def test_two_submits_in_one_second_get_different_names_and_code_prefixes():
+    from datetime import datetime, timezone
+
+    from dtrain.core import names
+
+    first = datetime(2026, 11, 25, 1, 21, 42, 1000, tzinfo=timezone.utc)
+    second = first.replace(microsecond=2000)
+    a, b = (names.timestamped("pythia-1b-p4d", now=t) for t in (first, second))
+    assert a == "pythia-1b-p4d-20261125-012142-001" and a != b
+    longest = names.timestamped("n" * names.MAX_LENGTH, now=first)
+    assert len(longest) <= names.MAX_TARGET_LENGTH and longest.startswith("n" * names.MAX_LENGTH)
