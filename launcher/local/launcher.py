@@ -110,7 +110,10 @@ class LocalLauncher(Launcher):
             raise
         except OSError as exc:
             raise DtrainError(f"local job {request.job.id}: could not start: {exc}") from exc
-        return journal.record(Update(state=LocalState.changes(monitor=monitor)))
+        handle = journal.record(Update(state=LocalState.changes(monitor=monitor)))
+        if handle.status == STOPPING:  # a `dtrain stop` came while it started: deliver it now
+            handle = self.stop(handle, journal)
+        return handle
 
     def _write_contracts(self, request: Request, job_dir: str) -> None:
         payload = request.payload

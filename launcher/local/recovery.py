@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dtrain.core.contract import PREEMPTED_EXIT_CODE
-from dtrain.core.states import FAILED
+from dtrain.core.states import FAILED, STOPPED
 from dtrain.launcher import process
-from dtrain.launcher.agents import AgentEnd, final_state, read_exit_record
+from dtrain.launcher.agents import STOP_REASON, AgentEnd, final_state, read_exit_record
 from dtrain.launcher.local.layout import write_state
 
 MONITOR_GONE = "MonitorGone"  # the secondary status while the agents run on without it
@@ -60,6 +60,8 @@ def settle(job_dir: str, hosts: list[str], facts: dict[str, Any], *, monitor_why
            stopping: bool, grace_s: float) -> dict[str, Any]:
     """The facts ``status`` reports for a job whose monitor is gone (``monitor_why``)."""
     if not facts.get("agents"):
+        if stopping:  # a stop that reached the monitor as it started: it ended before any agent
+            return {"status": STOPPED, "failure_reason": STOP_REASON, "ended_at": time.time()}
         return _lost(f"the local job monitor is gone ({monitor_why}) before it recorded any "
                      "node agent")
     found = survey(job_dir, hosts, facts)

@@ -100,6 +100,11 @@ class SlurmLauncher(Launcher):
                 raise DtrainError(f"slurm job {request.job.id}: could not prepare {job_dir}: "
                                   f"{exc}") from exc
             raise
+        if journal.current().status in (STOPPING, STOPPED):
+            # a `dtrain stop` came while sbatch ran (it found no Slurm job to cancel): cancel it
+            commands.cancel(slurm_job_id)
+            return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON,
+                                         state=SlurmState.changes(slurm_job_id=slurm_job_id)))
         return journal.record(Update(status=PENDING, state=SlurmState.changes(
             slurm_job_id=slurm_job_id, secondary_status=f"submitted as Slurm job {slurm_job_id}")))
 

@@ -241,3 +241,26 @@ def test_a_final_model_save_cut_off_by_the_grace_period_says_the_model_is_incomp
         assert [p.name for p in (job_dir / host / "model").iterdir()] == []
         assert not list((job_dir / host).glob(".*partial*"))
     assert live_processes(str(tmp_path)) == []
+
+
+def test_a_stop_while_the_job_starts_is_delivered_once_its_monitor_runs(
+        tmp_path, dtrain_home, live_processes, monkeypatch):
+    from dtrain.launcher.local.launcher import LocalLauncher
+
+    spec = make_spec(tmp_path, """
+        import time
+        time.sleep(120)
+        """)
+    start = LocalLauncher._start_monitor
+
+    def start_then_stopped(job_dir):  # `dtrain stop` lands before the monitor is recorded
+        monitor = start(job_dir)
+        [pending] = JobStore().list()
+        jobs.stop(pending.id)
+        return monitor
+
+    monkeypatch.setattr(LocalLauncher, "_start_monitor", staticmethod(start_then_stopped))
+    record = jobs.submit(spec, wait=False)
+    _wait_until(lambda: jobs.get(record.id).status == "Stopped", timeout=60,
+                what="the stop reached the job")
+    assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []

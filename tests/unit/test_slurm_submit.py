@@ -94,3 +94,20 @@ def test_a_shared_folder_missing_on_the_login_node_is_named_with_the_fix(tmp_pat
             login node and create it on the shared file system \(mkdir -p .*/shared\)$
             """).strip().replace("\n", " ")):
         jobs.submit(spec, wait=False)
+
+
+def test_a_stop_while_sbatch_runs_cancels_the_slurm_job_it_made(tmp_path, monkeypatch):
+    from dtrain.launcher.slurm import commands
+
+    cancelled = []
+
+    def sbatch_while_stopped(*_args, **_kwargs) -> str:
+        [pending] = JobStore().list()  # the job being submitted, no Slurm id yet
+        jobs.stop(pending.id)  # nothing to cancel yet: recorded Stopped
+        return "4242"
+
+    monkeypatch.setattr(commands, "submit", sbatch_while_stopped)
+    monkeypatch.setattr(commands, "cancel", cancelled.append)
+    record = jobs.submit(spec_with_code(tmp_path), wait=False)
+    assert cancelled == ["4242"]  # not left to run untracked
+    assert (record.status, record.target_data["slurm_job_id"]) == ("Stopped", "4242")
