@@ -11,18 +11,20 @@ signals a process that merely got a recorded pid later.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dtrain.core import contract
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FINAL_STATUSES, STOPPING
+from dtrain.core.states import FAILED, FINAL_STATUSES, STOPPING
 from dtrain.launcher import agents, process, staging
 from dtrain.launcher.base import (
     Handle,
@@ -46,6 +48,9 @@ class LocalState(TargetState):
     job_dir: str | None = None
     hosts: list[str] = field(default_factory=list)
     monitor: dict[str, Any] | None = None  # process.describe() of the monitor
+    # the `dtrain submit` process until it has recorded the monitor: if it dies first (kill -9),
+    # status can tell the job will never start
+    submitter: dict[str, Any] | None = None
     agents: list[dict[str, Any]] = field(default_factory=list)  # of each node agent
 
 
@@ -100,17 +105,19 @@ class LocalLauncher(Launcher):
         journal.record(Update(log_location=job_dir, output_location=job_dir,
                               state=LocalState.changes(job_dir=job_dir, hosts=payload["hosts"],
                                                        checkpoints=checkpoint_folder(payload,
-                                                                                     job_dir))))
+                                                                                     job_dir),
+                                                       submitter=process.this_process())))
         try:
             os.makedirs(job_dir, exist_ok=False)
             os.makedirs(checkpoint_folder(payload, job_dir), exist_ok=True)
             self._write_contracts(request, job_dir)
             monitor = self._start_monitor(job_dir)
+            layout.write_state(job_dir, monitor=monitor)  # for status, should this process die
         except DtrainError:
             raise
         except OSError as exc:
             raise DtrainError(f"local job {request.job.id}: could not start: {exc}") from exc
-        handle = journal.record(Update(state=LocalState.changes(monitor=monitor)))
+        handle = journal.record(Update(state=LocalState.changes(monitor=monitor, submitter=None)))
         if handle.status == STOPPING:  # a `dtrain stop` came while it started: deliver it now
             handle = self.stop(handle, journal)
         return handle
@@ -152,6 +159,19 @@ class LocalLauncher(Launcher):
         state: LocalState = handle.state
         if handle.is_final or not state.job_dir:
             return Update()
+        adopted: dict[str, Any] = {}
+        if state.monitor is None and state.submitter is not None:
+            alive, why = process.judge(state.submitter)
+            if alive is not False:
+                return Update()  # still submitting
+            # the submitter notes the monitor in the facts file before the store: died between?
+            monitor = layout.read_state(state.job_dir).get("monitor")
+            if monitor is None:
+                return Update(status=FAILED, ended_at=time.time(), failure_reason=(
+                    f"lost: `dtrain submit` ended before it started the job ({why}); nothing "
+                    "of it ran; submit again"))
+            adopted = {"monitor": monitor, "submitter": None}
+            state = dataclasses.replace(state, monitor=monitor)
         facts = layout.read_state(state.job_dir)
         if facts.get("status") not in FINAL_STATUSES:
             alive, why = process.judge(state.monitor)
@@ -162,7 +182,9 @@ class LocalLauncher(Launcher):
                     stopping=handle.status == STOPPING, grace_s=_grace_period(state.job_dir))}
         if handle.status == STOPPING and facts.get("status") not in FINAL_STATUSES:
             facts = {**facts, "status": None}  # the monitor's Running predates the stop
-        return _update_from(facts)
+        update = _update_from(facts)
+        return dataclasses.replace(update, state={**(update.state or {}), **adopted}) \
+            if adopted else update
 
     def hosts(self, handle: Handle) -> list[str] | None:
         return list(handle.state.hosts) or None

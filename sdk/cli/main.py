@@ -6,6 +6,7 @@ so every command imports what it needs inside its body.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -125,6 +126,10 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def _hang_up(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors print one line and exit 2 (invalid input) or 1 (failure)."""
     from dtrain.core.errors import DtrainError
@@ -133,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     if debug:  # accepted anywhere on the line, not only before the subcommand
         args = ["--debug", *(a for a in args if a != "--debug")]
+    # A closed terminal (SIGHUP) is a Ctrl-C: a submit under way records how it ended, a wait
+    # leaves the job running; by default the process would die with a half-written record.
+    signal.signal(signal.SIGHUP, _hang_up)
     try:
         cli.main(args=args, prog_name="dtrain", standalone_mode=False)
     except click.exceptions.Abort:

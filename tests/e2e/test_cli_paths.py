@@ -22,7 +22,8 @@ write_job = partial(_cli.write_job, name="patient", absolute_source_dir=True, in
                     processes_per_instance=1)
 
 
-def _interrupt_waiting_submit(spec: str, *extra: str) -> tuple[subprocess.CompletedProcess, str]:
+def _interrupt_waiting_submit(spec: str, *extra: str, sig: int = signal.SIGINT
+                              ) -> tuple[subprocess.CompletedProcess, str]:
     # A terminal's Ctrl-C reaches a foreground process whose SIGINT is at its default. A test run
     # started in the background (`cmd &` in a script) has SIGINT ignored, which its children
     # would inherit; a handled signal is reset to the default in a child at exec.
@@ -38,7 +39,7 @@ def _interrupt_waiting_submit(spec: str, *extra: str) -> tuple[subprocess.Comple
     while jobs.get(job).status != "Running":
         assert time.monotonic() < deadline, "the job never started"
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
     return subprocess.CompletedProcess(proc.args, proc.returncode, first + out, err), job
 
@@ -58,6 +59,12 @@ def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_how_to_follow_or_s
     result, job = _interrupt_waiting_submit(spec, "--stop-on-interrupt")
     assert result.returncode == 130 and f"interrupted: stopping job {job}" in result.stderr
     assert jobs.wait_for(job, timeout_s=60).status == "Stopped"
+
+    # a closed terminal (SIGHUP) is a Ctrl-C, not a death that leaves no word
+    result, job = _interrupt_waiting_submit(spec, sig=signal.SIGHUP)
+    assert result.returncode == 130 and f"interrupted: job {job} (patient) keeps running" \
+        in result.stderr
+    assert jobs.stop(job, wait=True, timeout_s=60).status == "Stopped"
 
 
 def test_the_name_a_user_gave_finds_the_latest_of_its_jobs_and_names_the_others(tmp_path):

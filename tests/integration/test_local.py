@@ -264,3 +264,44 @@ def test_a_stop_while_the_job_starts_is_delivered_once_its_monitor_runs(
     _wait_until(lambda: jobs.get(record.id).status == "Stopped", timeout=60,
                 what="the stop reached the job")
     assert live_processes(str(tmp_path)) == [] and live_processes(str(dtrain_home)) == []
+
+
+KILLED_SUBMIT = """
+import os, sys
+from dtrain.jobs import api as jobs
+from dtrain.launcher.local import launcher, layout
+from dtrain.spec.model import JobSpec
+
+when = sys.argv[2]
+if when == "before-the-monitor":
+    launcher.LocalLauncher._start_monitor = staticmethod(lambda job_dir: os._exit(9))
+else:  # after the monitor started and was noted in the facts file, before the store heard
+    write = layout.write_state
+    def write_then_die(job_dir, **facts):
+        write(job_dir, **facts)
+        if "monitor" in facts:
+            os._exit(9)
+    layout.write_state = write_then_die
+jobs.submit(JobSpec.from_file(sys.argv[1]), wait=False)
+"""
+
+
+@pytest.mark.parametrize("when, status", [("before-the-monitor", "Failed"),
+                                          ("after-the-monitor", "Completed")])
+def test_a_submit_killed_half_way_leaves_a_record_that_ends(tmp_path, dtrain_home, when, status):
+    import subprocess
+    import sys
+
+    spec = make_spec(tmp_path, "print('trained', flush=True)\n")
+    spec_file = tmp_path / "job.json"  # JSON is YAML
+    spec_file.write_text(json.dumps(spec.to_dict()))
+    script = tmp_path / "killed_submit.py"
+    script.write_text(KILLED_SUBMIT)
+    done = subprocess.run([sys.executable, str(script), str(spec_file), when], timeout=120)
+    assert done.returncode == 9  # as a kill -9 of `dtrain submit` would leave it
+    [record] = JobStore().list()
+    _wait_until(lambda: jobs.get(record.id).status == status, timeout=60,
+                what=f"the job ended {status}")
+    if status == "Failed":
+        assert jobs.get(record.id).failure_reason.startswith(
+            "lost: `dtrain submit` ended before it started the job")
