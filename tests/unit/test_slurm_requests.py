@@ -122,3 +122,29 @@ def test_environment_values_reach_the_script_quoted(value):
     out = subprocess.run(["bash", "-c", f"{line}; printf %s \"$ODD\""], capture_output=True,
                          text=True, check=True).stdout
     assert out == value
+
+
+def test_the_rendezvous_port_passes_over_one_in_use_on_the_first_node():
+    import socket
+    import subprocess
+
+    from dtrain.core import contract
+
+    lines = request().payload["script"].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("port=$(("))
+    taken = socket.socket()
+    for busy in range(29700, 30500):  # hold a port of the job-id range (the first one free)
+        try:
+            taken.bind(("127.0.0.1", busy))
+            break
+        except OSError:
+            continue
+    taken.listen()
+    try:  # a job id whose port is the busy one: the script takes the next free one
+        out = subprocess.run(["bash", "-c", "\n".join(
+            [f"SLURM_JOB_ID={5000 + busy - 29500}", *lines[first:first + 3],
+             f"echo ${contract.MASTER_PORT_ENV}"])], capture_output=True, text=True,
+            check=True).stdout
+    finally:
+        taken.close()
+    assert int(out) > busy
