@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -35,6 +36,7 @@ USER_ERROR_CODES = {
 }
 
 
+_CLIENT_LOCK = threading.Lock()
 _WRAPPED_CODE = re.compile(r"An error occurred \((\w+)\) when calling")
 _HTML = re.compile(r"<\s*(!doctype|html|head|body)\b", re.IGNORECASE)
 _TAG = re.compile(r"<[^>]*>")
@@ -48,8 +50,9 @@ def make_client(service: str, *, region: str | None = None) -> Any:
 
     config = Config(retries={"mode": "adaptive", "max_attempts": 10},
                     user_agent_extra="dtrain")
-    try:
-        return boto3.client(service, region_name=region_of(region), config=config)
+    try:  # boto3's default session makes clients unsafely across threads (dtrain list's)
+        with _CLIENT_LOCK:
+            return boto3.client(service, region_name=region_of(region), config=config)
     except (BotoCoreError, ValueError) as exc:  # NoRegionError, ProfileNotFound, a bad endpoint
         raise DtrainError(f"cannot create the AWS {service} client: {exc}; set sagemaker.region "
                           "or AWS_REGION, and AWS credentials") from None

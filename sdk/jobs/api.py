@@ -219,17 +219,40 @@ def list_jobs(*, target: str | None = None, limit: int | None = None,
     live = [r for r in records if not r.is_final and not r.problem]
     if refresh_s is None or not live:
         return records
-    from concurrent.futures import ThreadPoolExecutor, wait
+    import queue
+    import threading
 
-    def one(record: JobRecord) -> JobRecord:
-        return refresh(record, launcher_for(record.target, clients), store)
+    todo: queue.SimpleQueue[JobRecord] = queue.SimpleQueue()
+    for record in live:
+        todo.put(record)
+    fresh: dict[str, JobRecord] = {}
+    lock = threading.Lock()
 
-    pool = ThreadPoolExecutor(max_workers=min(8, len(live)))
-    futures = {pool.submit(one, r): r.id for r in live}
-    done, _ = wait(futures, timeout=refresh_s)
-    pool.shutdown(wait=False, cancel_futures=True)
-    fresh = {futures[f]: f.result() for f in done if f.exception() is None}
-    return [fresh.get(r.id, r) for r in records]
+    def work() -> None:
+        while True:
+            try:
+                record = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                answer = refresh(record, launcher_for(record.target, clients), store)
+            except Exception:  # noqa: BLE001 -- listed as recorded, as documented
+                continue
+            with lock:
+                fresh[record.id] = answer
+
+    # daemon threads: a target that does not answer in time holds neither the list nor the
+    # process's exit (a thread pool's workers are joined at exit)
+    threads = [threading.Thread(target=work, daemon=True, name="dtrain-list-refresh")
+               for _ in range(min(8, len(live)))]
+    deadline = time.monotonic() + refresh_s
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    with lock:
+        answered = dict(fresh)
+    return [answered.get(r.id, r) for r in records]
 
 
 def logs(job: str, *, follow: bool = False, host: str | None = None, rank: int | None = None,
