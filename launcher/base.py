@@ -83,6 +83,9 @@ class TargetState:
     # where the job keeps its checkpoints (a folder or an S3 URI): a job submitted with this
     # checkpoint.uri resumes from the newest complete one (`dtrain submit --resume`)
     checkpoints: str | None = None
+    # the `dtrain submit` process (process.describe) while it submits; None once the backend has
+    # the job. A status call that finds it gone first can tell a job that will never start.
+    submitter: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> TargetState:

@@ -42,7 +42,6 @@ def download_prefix(client: Any, uri: str, folder: str) -> str:
     """Every object under ``uri`` into ``folder`` (keys relative to the prefix); returns it.
     An AWS error (no such bucket, no credentials, access denied) is a one-line DtrainError."""
     from botocore.exceptions import BotoCoreError, ClientError
-
     from dtrain.launcher import aws
 
     try:

@@ -48,9 +48,6 @@ class LocalState(TargetState):
     job_dir: str | None = None
     hosts: list[str] = field(default_factory=list)
     monitor: dict[str, Any] | None = None  # process.describe() of the monitor
-    # the `dtrain submit` process until it has recorded the monitor: if it dies first (kill -9),
-    # status can tell the job will never start
-    submitter: dict[str, Any] | None = None
     agents: list[dict[str, Any]] = field(default_factory=list)  # of each node agent
 
 
@@ -105,8 +102,7 @@ class LocalLauncher(Launcher):
         journal.record(Update(log_location=job_dir, output_location=job_dir,
                               state=LocalState.changes(job_dir=job_dir, hosts=payload["hosts"],
                                                        checkpoints=checkpoint_folder(payload,
-                                                                                     job_dir),
-                                                       submitter=process.this_process())))
+                                                                                     job_dir))))
         try:
             os.makedirs(job_dir, exist_ok=False)
             os.makedirs(checkpoint_folder(payload, job_dir), exist_ok=True)
@@ -157,7 +153,7 @@ class LocalLauncher(Launcher):
         """The monitor's facts; when the monitor is gone without writing an end, the facts
         the job itself left (:mod:`dtrain.launcher.local.recovery`)."""
         state: LocalState = handle.state
-        if handle.is_final or not state.job_dir:
+        if handle.is_final:
             return Update()
         adopted: dict[str, Any] = {}
         if state.monitor is None and state.submitter is not None:
@@ -165,13 +161,15 @@ class LocalLauncher(Launcher):
             if alive is not False:
                 return Update()  # still submitting
             # the submitter notes the monitor in the facts file before the store: died between?
-            monitor = layout.read_state(state.job_dir).get("monitor")
+            monitor = layout.read_state(state.job_dir).get("monitor") if state.job_dir else None
             if monitor is None:
                 return Update(status=FAILED, ended_at=time.time(), failure_reason=(
                     f"lost: `dtrain submit` ended before it started the job ({why}); nothing "
                     "of it ran; submit again"))
             adopted = {"monitor": monitor, "submitter": None}
             state = dataclasses.replace(state, monitor=monitor)
+        if not state.job_dir:
+            return Update()
         facts = layout.read_state(state.job_dir)
         if facts.get("status") not in FINAL_STATUSES:
             alive, why = process.judge(state.monitor)

@@ -22,8 +22,8 @@ from typing import IO, TYPE_CHECKING, Any
 from dtrain.core import aws_images, s3
 from dtrain.core.aws import region_of
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FINAL_STATUSES, RUNNING, STARTING, STOPPING
-from dtrain.launcher import aws, packaging
+from dtrain.core.states import FAILED, FINAL_STATUSES, RUNNING, STARTING, STOPPING
+from dtrain.launcher import aws, packaging, process
 from dtrain.launcher.base import (
     Handle,
     JobIdentity,
@@ -237,12 +237,38 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
         except (ClientError, BotoCoreError) as exc:
             raise aws.as_dtrain_error(exc, f"DescribeTrainingJob {training_job_name}") from None
 
+    def _exists(self, training_job_name: str, *, region: str | None) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client_in("sagemaker", region).describe_training_job(
+                TrainingJobName=training_job_name)
+        except ClientError as exc:
+            if aws.error_code(exc) == "ValidationException" and \
+                    "Could not find" in str(exc):
+                return False
+            raise aws.as_dtrain_error(exc, f"DescribeTrainingJob {training_job_name}") from None
+        return True
+
     def status(self, handle: Handle) -> Update:
         """State, SecondaryStatus, FailureReason (verbatim) and model artifacts of the job."""
         if handle.is_final:
             return Update()
         state: SageMakerState = handle.state
-        update = update_from(self.describe(_job_name(handle), region=state.region))
+        if state.arn is None and state.submitter is not None:
+            alive, why = process.judge(state.submitter)
+            if alive is not False:
+                return Update()  # still uploading or creating: nothing to ask SageMaker yet
+            if not self._exists(_job_name(handle), region=state.region):
+                return Update(status=FAILED, ended_at=time.time(), failure_reason=(
+                    f"lost: `dtrain submit` ended before SageMaker created the job ({why}); "
+                    "nothing of it ran; submit again"))
+        described = self.describe(_job_name(handle), region=state.region)
+        update = update_from(described)
+        if state.arn is None and described.get("TrainingJobArn"):
+            # created by a submit that died before it recorded the job: adopted
+            update = dataclasses.replace(update, state={
+                **update.state, "arn": described["TrainingJobArn"], "submitter": None})
         if handle.status == STOPPING and update.status in (STARTING, RUNNING):
             # right after StopTrainingJob SageMaker may still say InProgress: stay Stopping
             update = dataclasses.replace(update, status=None)

@@ -137,12 +137,16 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     launcher = launcher_for(spec.compute.target, clients)
     request = launcher.build_request(spec, plan(spec), job or identity(spec, launcher))
     store = store or JobStore()
+    from dtrain.launcher import process
+
     record = store.create(job_id=request.job.id, name=request.job.name, target=launcher.name,
                           spec=spec.to_dict(), status=PENDING,
-                          created_at=request.job.submitted_at)
+                          created_at=request.job.submitted_at,
+                          target_data={"submitter": process.this_process()})
     journal = StoreJournal(store, launcher, record.id)
     try:
         launcher.submit(request, journal)
+        store.update(record.id, target_data={"submitter": None})  # the backend has the job
     except BaseException as exc:
         reason = str(exc) if isinstance(exc, DtrainError) else \
             f"submit interrupted ({type(exc).__name__}: {exc})"
@@ -236,7 +240,7 @@ def list_jobs(*, target: str | None = None, limit: int | None = None,
                 return
             try:
                 answer = refresh(record, launcher_for(record.target, clients), store)
-            except Exception:  # noqa: BLE001 -- listed as recorded, as documented
+            except Exception:  # noqa: BLE001, S112 -- listed as recorded, as documented
                 continue
             with lock:
                 fresh[record.id] = answer

@@ -460,3 +460,45 @@ def test_estimator_fit_tells_which_smp_keys_dtrain_ignores(moto_aws, tmp_path): 
                                  "stream": io.StringIO()})
     with pytest.warns(SpecWarning, match="placement_strategy is not used by dtrain"):
         estimator.fit(f"s3://{BUCKET}/data/train", wait=False)
+
+
+def _dead_submitter() -> dict:
+    """process.describe() of a `dtrain submit` that has since been killed."""
+    from dtrain.launcher import process
+
+    proc = subprocess.Popen(["sleep", "30"])
+    described = process.describe(proc.pid)
+    proc.kill()
+    proc.wait()
+    return described
+
+
+def test_a_job_whose_submit_died_is_adopted_if_sagemaker_has_it_and_lost_if_not(submitted):
+    _, facts, _ = submitted
+    store, clients = JobStore(), facts["clients"]
+    record = facts["record"]  # SageMaker created it; the submit "died" before recording that
+    store.update(record.id, target_data={"arn": None, "submitter": _dead_submitter()})
+    adopted = jobs.get(record.id, clients=clients)
+    assert adopted.status in ("Starting", "Running", "Completed")
+    assert adopted.target_data["arn"].endswith(f"training-job/{record.name}")
+    assert adopted.target_data["submitter"] is None
+
+    never = store.create(name="pythia-1b-p4d-20261125-000000-000", target="sagemaker",
+                         spec=record.spec, target_data={
+                             "training_job_name": "pythia-1b-p4d-20261125-000000-000",
+                             "region": "us-east-1", "submitter": _dead_submitter()})
+    lost = jobs.get(never.id, clients=clients)
+    assert lost.status == "Failed" and lost.failure_reason.startswith(
+        "lost: `dtrain submit` ended before SageMaker created the job")
+
+    alive = store.create(name="pythia-1b-p4d-20261125-000001-000", target="sagemaker",
+                         spec=record.spec, target_data={
+                             "training_job_name": "pythia-1b-p4d-20261125-000001-000",
+                             "region": "us-east-1", "submitter": _this_process()})
+    assert jobs.get(alive.id, clients=clients).status == "Pending"  # still submitting: no call
+
+
+def _this_process() -> dict:
+    from dtrain.launcher import process
+
+    return process.this_process()
