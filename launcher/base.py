@@ -162,6 +162,9 @@ class Launcher(ABC):
     poll_s: ClassVar[float] = 0.5
     # Cloud targets keep every job name forever: each submission gets a timestamped one.
     stamps_job_names: ClassVar[bool] = False
+    # status() follows ``TargetState.submitter``: an interrupted submit leaves the record as it
+    # is, and the next status adopts what the target made of it or ends it lost
+    follows_submitter: ClassVar[bool] = False
 
     @abstractmethod
     def build_request(self, spec: JobSpec, plan: Plan, job: JobIdentity) -> Request:

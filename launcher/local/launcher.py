@@ -67,6 +67,7 @@ def jobs_folder() -> str:
 class LocalLauncher(Launcher):
     name = "local"
     state_type = LocalState
+    follows_submitter = True
 
     def __init__(self, *, s3_client: Any = None, grace_period_s: int | None = None):
         self._s3 = s3_client

@@ -122,6 +122,7 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
     state_type = SageMakerState
     poll_s = 10.0
     stamps_job_names = True
+    follows_submitter = True
 
     def __init__(self, *, sagemaker_client: Any = None, s3_client: Any = None,
                  logs_client: Any = None, region: str | None = None,
@@ -177,6 +178,8 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
             action = f"CreateTrainingJob {name}"
             response = sagemaker.create_training_job(**payload)
         except BaseException as exc:
+            if action.startswith("CreateTrainingJob") and self._created_anyway(name, region, exc):
+                raise  # SageMaker has the job (a Ctrl-C in flight): its code stays; status adopts it
             packaging.delete_objects(s3_client, uploaded)  # nothing left behind, whatever went wrong
             error = _user_error(exc, action)
             if error is None:
@@ -184,6 +187,17 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
             raise error from None
         return journal.record(Update(status=STARTING, state=SageMakerState.changes(
             arn=response["TrainingJobArn"], uploads=uploaded)))
+
+    def _created_anyway(self, name: str, region: str, exc: BaseException) -> bool:
+        """Whether CreateTrainingJob, cut off by ``exc`` (not SageMaker's refusal), made the job."""
+        from botocore.exceptions import ClientError
+
+        if isinstance(exc, ClientError):
+            return False
+        try:
+            return self.describe(name, region=region, missing_ok=True) is not None
+        except (DtrainError, KeyboardInterrupt):
+            return False
 
     def default_output_path(self) -> str:
         """``s3://sagemaker-<region>-<account>/``, created if missing, as the SageMaker SDK does."""
@@ -227,43 +241,36 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
 
     # ---------------------------------------------------------------- lifecycle
 
-    def describe(self, training_job_name: str, *, region: str | None = None) -> dict[str, Any]:
-        """DescribeTrainingJob, AWS errors as one line."""
+    def describe(self, training_job_name: str, *, region: str | None = None,
+                 missing_ok: bool = False) -> dict[str, Any] | None:
+        """DescribeTrainingJob, AWS errors as one line; with ``missing_ok``, None for a job
+        SageMaker does not have."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             return self.client_in("sagemaker", region).describe_training_job(
                 TrainingJobName=training_job_name)
         except (ClientError, BotoCoreError) as exc:
+            if missing_ok and _is_missing(exc):
+                return None
             raise aws.as_dtrain_error(exc, f"DescribeTrainingJob {training_job_name}") from None
-
-    def _exists(self, training_job_name: str, *, region: str | None) -> bool:
-        from botocore.exceptions import ClientError
-
-        try:
-            self.client_in("sagemaker", region).describe_training_job(
-                TrainingJobName=training_job_name)
-        except ClientError as exc:
-            if aws.error_code(exc) == "ValidationException" and \
-                    "Could not find" in str(exc):
-                return False
-            raise aws.as_dtrain_error(exc, f"DescribeTrainingJob {training_job_name}") from None
-        return True
 
     def status(self, handle: Handle) -> Update:
         """State, SecondaryStatus, FailureReason (verbatim) and model artifacts of the job."""
         if handle.is_final:
             return Update()
         state: SageMakerState = handle.state
-        if state.arn is None and state.submitter is not None:
-            alive, why = process.judge(state.submitter)
-            if alive is not False:
-                return Update()  # still uploading or creating: nothing to ask SageMaker yet
-            if not self._exists(_job_name(handle), region=state.region):
-                return Update(status=FAILED, ended_at=time.time(), failure_reason=(
-                    f"lost: `dtrain submit` ended before SageMaker created the job ({why}); "
-                    "nothing of it ran; submit again"))
-        described = self.describe(_job_name(handle), region=state.region)
+        submitting = state.arn is None and state.submitter is not None
+        alive, why = process.judge(state.submitter) if submitting else (None, "")
+        if submitting and alive:
+            return Update()  # still uploading or creating: nothing to ask SageMaker yet
+        described = self.describe(_job_name(handle), region=state.region, missing_ok=submitting)
+        if described is None:  # the submit is gone (or cannot be judged) and made no job
+            if alive is None:
+                return Update()
+            return Update(status=FAILED, ended_at=time.time(), failure_reason=(
+                f"lost: `dtrain submit` ended before SageMaker created the job ({why}); "
+                "nothing of it ran; submit again"))
         update = update_from(described)
         if state.arn is None and described.get("TrainingJobArn"):
             # created by a submit that died before it recorded the job: adopted
@@ -321,6 +328,14 @@ def job_status(state: str | None, secondary: str | None) -> str | None:
     if state == "InProgress":
         return STARTING if secondary in _STARTING else RUNNING
     return state  # Completed, Failed, Stopping, Stopped: same names
+
+
+def _is_missing(exc: BaseException) -> bool:
+    """DescribeTrainingJob's answer for a job SageMaker does not have (AWS: "Requested resource
+    not found."; moto: "Could not find training job ...")."""
+    message = str(exc)
+    return aws.error_code(exc) in ("ValidationException", "ResourceNotFound") and (
+        "not found" in message.lower() or "could not find" in message.lower())
 
 
 def _job_name(handle: Handle) -> str:

@@ -21,7 +21,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from dtrain.core import contract, logformat
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import PENDING, STOPPED, STOPPING
+from dtrain.core.states import STOPPED, STOPPING
 from dtrain.launcher import agents, packaging, staging
 from dtrain.launcher.agents import STOP_REASON, new_lines
 from dtrain.launcher.base import Launcher, Request, TargetState, Update, Upload, runtime_settings
@@ -100,13 +100,15 @@ class SlurmLauncher(Launcher):
                 raise DtrainError(f"slurm job {request.job.id}: could not prepare {job_dir}: "
                                   f"{exc}") from exc
             raise
-        if journal.current().status in (STOPPING, STOPPED):
-            # a `dtrain stop` came while sbatch ran (it found no Slurm job to cancel): cancel it
-            commands.cancel(slurm_job_id)
-            return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON,
-                                         state=SlurmState.changes(slurm_job_id=slurm_job_id)))
-        return journal.record(Update(status=PENDING, state=SlurmState.changes(
+        # the id first, the status left as it is (Pending since the record was made, or a
+        # stop's): a stop from now on finds the id and cancels the job itself
+        handle = journal.record(Update(state=SlurmState.changes(
             slurm_job_id=slurm_job_id, secondary_status=f"submitted as Slurm job {slurm_job_id}")))
+        if handle.status in (STOPPING, STOPPED):
+            # a `dtrain stop` came while sbatch ran and found no Slurm job to cancel: cancel it
+            commands.cancel(slurm_job_id)
+            handle = journal.record(Update(status=STOPPED, failure_reason=STOP_REASON))
+        return handle
 
     def _prepare(self, request: Request, job_dir: str) -> None:
         """Everything the nodes read, in the job's folder, before sbatch sees the script."""
@@ -175,9 +177,9 @@ class SlurmLauncher(Launcher):
     def stop(self, handle: Handle, journal: Journal) -> Handle:
         if handle.is_final:
             return handle
-        state: SlurmState = handle.state
         handle = journal.record(Update(status=STOPPING, state=SlurmState.changes(
             stop_requested_at=time.time())))
+        state: SlurmState = handle.state  # as stored now: sbatch's id may have just come
         if not state.slurm_job_id:  # sbatch never answered: there is nothing to cancel
             return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON))
         commands.cancel(state.slurm_job_id)

@@ -192,17 +192,22 @@ def submit(spec_path: str | None, overrides: tuple[str, ...], target: str | None
 
 def _interrupted(record: Any, *, stop: bool) -> None:
     """Ctrl-C while waiting: say what happens to the job, then exit 130."""
+    import contextlib
+
     from dtrain.jobs import api as jobs
 
-    click.echo(err=True)
-    if stop:
-        stopped = jobs.stop(record.id)
-        click.echo(f"interrupted: stopping job {record.id} ({stopped.status}); it checkpoints "
-                   f"and ends within the grace period; see `dtrain status {record.id}`", err=True)
-    else:
-        click.echo(f"interrupted: job {record.id} ({record.name}) keeps running; follow it with "
-                   f"`dtrain logs {record.id} --follow`, stop it with `dtrain stop {record.id}`",
-                   err=True)
+    # the stop before any word: after a hang-up, writing to the terminal fails
+    stopped = jobs.stop(record.id) if stop else None
+    with contextlib.suppress(OSError):
+        click.echo(err=True)
+        if stopped is not None:
+            click.echo(f"interrupted: stopping job {record.id} ({stopped.status}); it "
+                       "checkpoints and ends within the grace period; see "
+                       f"`dtrain status {record.id}`", err=True)
+        else:
+            click.echo(f"interrupted: job {record.id} ({record.name}) keeps running; follow it "
+                       f"with `dtrain logs {record.id} --follow`, stop it with "
+                       f"`dtrain stop {record.id}`", err=True)
     raise SystemExit(130)
 
 

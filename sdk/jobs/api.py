@@ -146,12 +146,14 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     journal = StoreJournal(store, launcher, record.id)
     try:
         launcher.submit(request, journal)
-        store.update(record.id, target_data={"submitter": None})  # the backend has the job
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and launcher.follows_submitter:
+            raise  # the target may have the job already: the next status finds out
         reason = str(exc) if isinstance(exc, DtrainError) else \
             f"submit interrupted ({type(exc).__name__}: {exc})"
         store.update(record.id, status=FAILED, failure_reason=reason)  # unless it ended otherwise
         raise
+    store.update(record.id, target_data={"submitter": None})  # the backend has the job
     if follow:
         for line in logs(record.id, follow=True, store=store, clients=clients):
             if on_line:

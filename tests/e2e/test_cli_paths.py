@@ -181,3 +181,20 @@ def test_a_stopped_job_says_how_to_resume_it_and_a_failed_one_does_not():
     shown = dtrain("status", stopped.id)
     assert f"resume    dtrain submit --resume {stopped.id}\n" in shown.stdout
     assert "resume " not in dtrain("status", failed.id).stdout
+
+
+def test_a_hang_up_is_a_ctrl_c_except_under_nohup():
+    import contextlib
+
+    from dtrain.cli import main as cli_main
+
+    previous = signal.getsignal(signal.SIGHUP)
+    try:
+        for before, after in ((signal.SIG_IGN, signal.SIG_IGN),  # nohup: left as it is
+                              (signal.SIG_DFL, cli_main._hang_up)):
+            signal.signal(signal.SIGHUP, before)
+            with contextlib.suppress(SystemExit):
+                cli_main.main(["--version"])
+            assert signal.getsignal(signal.SIGHUP) == after
+    finally:
+        signal.signal(signal.SIGHUP, previous)

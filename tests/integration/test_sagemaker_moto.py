@@ -502,3 +502,15 @@ def _this_process() -> dict:
     from dtrain.launcher import process
 
     return process.this_process()
+
+
+def test_sagemaker_s_answer_for_a_job_it_does_not_have_is_told_from_other_errors():
+    from dtrain.launcher.sagemaker.launcher import _is_missing
+
+    def error(code, message):
+        return ClientError({"Error": {"Code": code, "Message": message}}, "DescribeTrainingJob")
+
+    assert _is_missing(error("ValidationException", "Requested resource not found."))  # AWS
+    assert _is_missing(error("ValidationException", "Could not find training job 'x'"))  # moto
+    assert not _is_missing(error("ValidationException", "1 validation error detected"))
+    assert not _is_missing(error("AccessDeniedException", "not authorized"))
