@@ -12,7 +12,7 @@ Layout under the contract's checkpoint folder (``DTRAIN_CHECKPOINT_DIR``)::
 A checkpoint is written to ``step-N.tmp``, every rank finishes (barrier), then ``COMPLETE`` is
 written and the folder renamed to ``step-N`` — a rename is atomic, so a reader sees a whole
 checkpoint or none. Only folders named ``step-N`` that hold ``COMPLETE`` are loaded, and on resume
-only those holding every file their metadata names, whole (:func:`missing_files`).
+only those where every rank finds the files it wrote, whole (:func:`missing_files`).
 
 The folder should be shared by all hosts (the local target, a shared file system). Where each
 host has its own folder that a sync merges later (SageMaker's and dtrain's EC2 checkpoint upload
@@ -230,16 +230,22 @@ class CheckpointManager:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def latest(self) -> Path | None:
-        """The newest complete checkpoint as rank 0 sees it (all ranks agree): marked
-        ``COMPLETE`` and holding every file its metadata names, whole. A merged copy can lack a
-        host's shards (that host died between its own ``COMPLETE`` and the upload, or a sync
-        copied ``COMPLETE`` first); such a folder is passed over, with a line saying why, for
-        the one before it."""
-        choice = [str(self._newest_whole() or "") if self.rank == 0 else None]
-        dist.broadcast_object_list(choice, src=0)
-        if not choice[0]:
+        """The newest complete checkpoint as rank 0 sees it (all ranks agree), passing over one
+        where a rank finds its own files missing or cut short in its copy (its shards, named
+        ``__<rank>_`` by DCP, and the shared files): a merged copy can lack a host's shards (that
+        host died between its own ``COMPLETE`` and the upload, or a sync copied ``COMPLETE``
+        first). Each rank checks only what it wrote, so per-host folders, which hold only their
+        host's shards, pass; that rank says which files, and the one before is taken."""
+        steps = [[step for step, _ in complete_checkpoints(self.root)] if self.rank == 0 else None]
+        dist.broadcast_object_list(steps, src=0)
+        candidates: list[int] = steps[0]
+        broken = torch.tensor([1.0 if self._own_files_missing(step) else 0.0
+                               for step in candidates] or [0.0])
+        dist.all_reduce(broken, op=dist.ReduceOp.MAX)  # CPU: gloo serves it with NCCL too
+        usable = [step for step, bad in zip(candidates, broken.tolist()) if not bad]
+        if not usable:
             return None
-        path = self.root / Path(choice[0]).name
+        path = self.root / step_dir_name(usable[-1])
         if not (path / COMPLETE).is_file():
             raise ValueError(
                 f"rank {self.rank} cannot see checkpoint {path} that rank 0 resumes from; give "
@@ -247,14 +253,17 @@ class CheckpointManager:
             )
         return path
 
-    def _newest_whole(self) -> Path | None:
-        for _, folder in reversed(complete_checkpoints(self.root)):
-            missing = missing_files(folder)
-            if not missing:
-                return folder
+    def _own_files_missing(self, step: int) -> bool:
+        """Whether this rank's copy of ``step`` lacks files it wrote (said on stdout); a copy
+        this rank cannot see at all is ``load``'s error, not a broken checkpoint."""
+        folder = self.root / step_dir_name(step)
+        if not (folder / COMPLETE).is_file():
+            return False
+        missing = missing_files(folder, rank=self.rank)
+        if missing:
             print(f"dtrain: not resuming from {folder}: {', '.join(missing[:3])} missing or "
                   "cut short; trying the checkpoint before it", flush=True)
-        return None
+        return bool(missing)
 
     def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
              ) -> dict[str, Any]:
@@ -408,8 +417,9 @@ def _move_file(source: Path, target: Path) -> None:
         source.unlink()
 
 
-def missing_files(folder: Path) -> list[str]:
-    """Files a checkpoint folder needs that are absent or shorter than its metadata says."""
+def missing_files(folder: Path, *, rank: int | None = None) -> list[str]:
+    """Files a checkpoint folder needs that are absent or shorter than its metadata says; with
+    ``rank``, of the shards only those that rank wrote (DCP names them ``__<rank>_...``)."""
     if not (folder / TRAINER_STATE).is_file():
         return [TRAINER_STATE]
     try:
@@ -420,8 +430,9 @@ def missing_files(folder: Path) -> list[str]:
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0),
                                          info.offset + info.length)
-    return sorted(name for name, size in needed.items()
-                  if not (folder / name).is_file() or (folder / name).stat().st_size < size)
+    mine = "" if rank is None else f"__{rank}_"
+    return sorted(name for name, size in needed.items() if name.startswith(mine) and
+                  (not (folder / name).is_file() or (folder / name).stat().st_size < size))
 
 
 def _write_synced(path: Path, data: str | bytes) -> None:
