@@ -18,15 +18,17 @@ Backends are imported only when used, so ``import dtrain`` stays light.
 from __future__ import annotations
 
 import dataclasses
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import import_module
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from dtrain.core import contract
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FINAL_STATUSES
+from dtrain.core.states import FAILED, FINAL_STATUSES
+from dtrain.launcher import process
 
 if TYPE_CHECKING:
     from dtrain.planning.planner import Plan
@@ -152,6 +154,33 @@ class PendingCleanup:
     retry_hint: str  # who finishes it when nobody waits: "`dtrain status 3f2a` tries again, ..."
 
 
+Found = TypeVar("Found")
+
+
+def follow_submitter(state: TargetState, find: Callable[[], Found | None], *,
+                     made: str) -> tuple[Update | None, Found | None]:
+    """What became of a job its target has not recorded yet, while ``state.submitter`` (the
+    `dtrain submit` that makes it) may have died half-way: a target whose status reads this sets
+    ``Launcher.follows_submitter``.
+
+    ``find()`` asks the target for the job the submit made, None if there is none. Returns
+    ``(None, found)`` when the target has it: the caller adopts it (and clears ``submitter``);
+    else ``(update, None)``: no change while the submit runs or where it cannot be judged (it
+    ran on another host), the job ``Failed`` ("lost") once it is gone. ``made`` ends "`dtrain
+    submit` ended before ...": what the target would have had."""
+    alive, why = process.judge(state.submitter)
+    if alive:
+        return Update(), None  # still submitting: nothing to ask the target yet
+    found = find()
+    if found is not None:
+        return None, found
+    if alive is None:
+        return Update(), None
+    return Update(status=FAILED, ended_at=time.time(), failure_reason=(
+        f"lost: `dtrain submit` ended before {made} ({why}); nothing of it ran; "
+        "submit again")), None
+
+
 class Launcher(ABC):
     """One target (local processes, SageMaker training jobs, EC2 instances, a Slurm cluster)."""
 
@@ -162,8 +191,8 @@ class Launcher(ABC):
     poll_s: ClassVar[float] = 0.5
     # Cloud targets keep every job name forever: each submission gets a timestamped one.
     stamps_job_names: ClassVar[bool] = False
-    # status() follows ``TargetState.submitter``: an interrupted submit leaves the record as it
-    # is, and the next status adopts what the target made of it or ends it lost
+    # status() follows ``TargetState.submitter`` (``follow_submitter``): an interrupted submit
+    # leaves the record as it is, and the next status adopts what the target made or ends it lost
     follows_submitter: ClassVar[bool] = False
 
     @abstractmethod

@@ -125,9 +125,9 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
 
     def submit(self, request: Request, journal: Journal) -> Handle:
         """Launch the cluster; on any failure leave nothing behind (see ``launch``)."""
-        # the record names its launching process from the start, the cost question included:
-        # `status` elsewhere then knows the launch is under way, and ends it if the process dies
-        journal.record(Update(state=Ec2State.changes(launcher=process.this_process())))
+        # the record names its submitting process from the start (``TargetState.submitter``),
+        # the cost question included: `status` elsewhere then knows the launch is under way, and
+        # ends it if that process dies
         self.check_cost(request.payload["cost"])
         region = region_of(request.payload["region"] or self.region)
         return launch.Launch(
@@ -204,7 +204,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
     def _observe_launch(self, handle: Handle) -> tuple[str | None, dict[str, Any], dict]:
         """A job whose ``submit`` has not finished: nothing changes while its launcher runs;
         once that process is gone the job has ended (Failed, or Stopped if `dtrain stop` asked)."""
-        owner = state_of(handle).launcher
+        owner = state_of(handle).submitter
         alive = process.process_alive(owner)
         if alive is None:  # launched from another host (or by an older dtrain): give it time
             alive = self.clock().timestamp() - handle.job.submitted_at < LAUNCH_TIMEOUT_S
@@ -310,7 +310,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
             return journal.record(Update(state=done))
         # a launch still under way finishes the stop itself (it checks before each node)
         launched = state_of(handle).launched
-        under_way = not launched and process.process_alive(state_of(handle).launcher) is not False
+        under_way = not launched and process.process_alive(state_of(handle).submitter) is not False
         return journal.record(Update(status=STOPPING if launched or under_way else STOPPED,
                                      failure_reason=STOP_REASON, state=done))
 

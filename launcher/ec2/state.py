@@ -53,7 +53,6 @@ class Ec2State(TargetState):
     prefix: str | None = None  # {output_path}/{job}: source, status, logs, model
     launch_token: str | None = None  # the dtrain:launch tag of everything this launch made
     launched_at: str | None = None  # the dtrain:launched-at tag
-    launcher: dict[str, Any] | None = None  # process.describe() of the launching process
     num_nodes: int | None = None
     instance_ids: list[str] = field(default_factory=list)  # recorded once all were launched
     subnet_id: str | None = None

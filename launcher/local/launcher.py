@@ -17,14 +17,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dtrain.core import contract
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FAILED, FINAL_STATUSES, STOPPING
+from dtrain.core.states import FINAL_STATUSES, STOPPING
 from dtrain.launcher import agents, process, staging
 from dtrain.launcher.base import (
     Handle,
@@ -34,6 +33,7 @@ from dtrain.launcher.base import (
     Request,
     TargetState,
     Update,
+    follow_submitter,
     runtime_settings,
 )
 from dtrain.launcher.local import layout, recovery
@@ -158,15 +158,14 @@ class LocalLauncher(Launcher):
             return Update()
         adopted: dict[str, Any] = {}
         if state.monitor is None and state.submitter is not None:
-            alive, why = process.judge(state.submitter)
-            if alive is not False:
-                return Update()  # still submitting
-            # the submitter notes the monitor in the facts file before the store: died between?
-            monitor = layout.read_state(state.job_dir).get("monitor") if state.job_dir else None
-            if monitor is None:
-                return Update(status=FAILED, ended_at=time.time(), failure_reason=(
-                    f"lost: `dtrain submit` ended before it started the job ({why}); nothing "
-                    "of it ran; submit again"))
+            def noted_monitor() -> dict[str, Any] | None:
+                # the submitter notes the monitor in the facts file before the store: died
+                # between?
+                return layout.read_state(state.job_dir).get("monitor") if state.job_dir else None
+
+            waiting, monitor = follow_submitter(state, noted_monitor, made="it started the job")
+            if waiting is not None:
+                return waiting
             adopted = {"monitor": monitor, "submitter": None}
             state = dataclasses.replace(state, monitor=monitor)
         if not state.job_dir:

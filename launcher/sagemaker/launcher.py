@@ -22,8 +22,8 @@ from typing import IO, TYPE_CHECKING, Any
 from dtrain.core import aws_images, s3
 from dtrain.core.aws import region_of
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FAILED, FINAL_STATUSES, RUNNING, STARTING, STOPPING
-from dtrain.launcher import aws, packaging, process
+from dtrain.core.states import FINAL_STATUSES, RUNNING, STARTING, STOPPING
+from dtrain.launcher import aws, packaging
 from dtrain.launcher.base import (
     Handle,
     JobIdentity,
@@ -32,6 +32,7 @@ from dtrain.launcher.base import (
     Request,
     TargetState,
     Update,
+    follow_submitter,
 )
 from dtrain.launcher.sagemaker import request as req
 from dtrain.launcher.sagemaker.cloudwatch import SAGEMAKER_LOG_GROUP, LogFilter, LogReader
@@ -260,17 +261,15 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
         if handle.is_final:
             return Update()
         state: SageMakerState = handle.state
-        submitting = state.arn is None and state.submitter is not None
-        alive, why = process.judge(state.submitter) if submitting else (None, "")
-        if submitting and alive:
-            return Update()  # still uploading or creating: nothing to ask SageMaker yet
-        described = self.describe(_job_name(handle), region=state.region, missing_ok=submitting)
-        if described is None:  # the submit is gone (or cannot be judged) and made no job
-            if alive is None:
-                return Update()
-            return Update(status=FAILED, ended_at=time.time(), failure_reason=(
-                f"lost: `dtrain submit` ended before SageMaker created the job ({why}); "
-                "nothing of it ran; submit again"))
+        if state.arn is None and state.submitter is not None:  # uploading or creating
+            waiting, described = follow_submitter(
+                state, lambda: self.describe(_job_name(handle), region=state.region,
+                                             missing_ok=True),
+                made="SageMaker created the job")
+            if waiting is not None:
+                return waiting
+        else:
+            described = self.describe(_job_name(handle), region=state.region)
         update = update_from(described)
         if state.arn is None and described.get("TrainingJobArn"):
             # created by a submit that died before it recorded the job: adopted

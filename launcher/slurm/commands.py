@@ -6,7 +6,9 @@ settings of its own. Every failure becomes one line saying which command failed 
 
 from __future__ import annotations
 
+import os
 import subprocess
+import time
 from dataclasses import dataclass
 
 from dtrain.core.errors import DtrainError
@@ -87,3 +89,30 @@ def cancel(job_id: str) -> None:
             and "invalid job id" not in text:
         raise DtrainError(f"scancel {job_id} failed (exit code {done.returncode}): "
                           f"{first_line(done.stderr)}")
+
+
+def find_job(job_name: str, job_dir: str, *, since: float) -> str | None:
+    """The id of the job ``sbatch`` queued from ``job_dir`` (its ``--chdir``) under
+    ``job_name``, for a submit that died before it recorded the id: as ``squeue`` knows it, else
+    as ``sacct`` remembers it (jobs submitted after ``since``); None when neither knows one."""
+    done = run(["squeue", "--noheader", "--states=all", f"--name={job_name}",
+                "--format=%i|%Z"], check=False)
+    if done.returncode != 0:  # slurmctld down: that is no answer, not "no such job"
+        raise DtrainError(f"squeue failed (exit code {done.returncode}): "
+                          f"{first_line(done.stderr)}")
+    found = _queued_from(done.stdout, job_dir)
+    if found:
+        return found
+    started = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))
+    done = run(["sacct", "--noheader", "--parsable2", "--allocations", f"--name={job_name}",
+                f"--starttime={started}", "--format=JobID,WorkDir"], check=False)
+    return _queued_from(done.stdout, job_dir) if done.returncode == 0 else None
+
+
+def _queued_from(lines: str, job_dir: str) -> str | None:
+    """The id on the first ``id|work dir`` line whose folder is ``job_dir``."""
+    for line in lines.splitlines():
+        job_id, _, work_dir = line.strip().partition("|")
+        if job_id.isdigit() and os.path.normpath(work_dir) == os.path.normpath(job_dir):
+            return job_id
+    return None

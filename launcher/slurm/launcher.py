@@ -5,12 +5,14 @@ each node writes its contract from. ``submit`` makes the job's folder under ``sl
 (the code copied in, the runtime wheel for a container image, S3 inputs downloaded, the script
 written exactly as dry-run printed it) and runs ``sbatch --parsable``. ``status`` asks
 ``squeue`` (``sacct`` once squeue has forgotten the job) and reads the nodes' reports in the job's
-folder (``layout``); ``stop`` is ``scancel``: Slurm's SIGTERM, then SIGKILL after its KillWait,
+folder (``layout``); a submit that died before it recorded sbatch's id leaves a job ``status``
+finds by its name and folder, or ends lost; ``stop`` is ``scancel``: Slurm's SIGTERM, then SIGKILL after its KillWait,
 so the workers checkpoint first. Nothing here writes the job store.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -24,7 +26,15 @@ from dtrain.core.errors import DtrainError
 from dtrain.core.states import STOPPED, STOPPING
 from dtrain.launcher import agents, packaging, staging
 from dtrain.launcher.agents import STOP_REASON, new_lines
-from dtrain.launcher.base import Launcher, Request, TargetState, Update, Upload, runtime_settings
+from dtrain.launcher.base import (
+    Launcher,
+    Request,
+    TargetState,
+    Update,
+    Upload,
+    follow_submitter,
+    runtime_settings,
+)
 from dtrain.launcher.slurm import commands, layout, script, states
 
 if TYPE_CHECKING:
@@ -46,6 +56,7 @@ class SlurmState(TargetState):
 class SlurmLauncher(Launcher):
     name = "slurm"
     state_type = SlurmState
+    follows_submitter = True
     poll_s = 2.0  # each status is one squeue call to slurmctld, shared by the whole cluster
 
     def __init__(self, *, s3_client: Any = None, stream: IO[str] | None = None):
@@ -95,6 +106,11 @@ class SlurmLauncher(Launcher):
             self._prepare(request, job_dir)
             slurm_job_id = commands.submit(payload["sbatch"])
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and os.path.isfile(
+                    os.path.join(job_dir, layout.SCRIPT_FILE)):
+                # sbatch may have queued it before the interrupt: status finds it, or ends the
+                # job lost and removes the folder (follows_submitter)
+                raise
             shutil.rmtree(job_dir, ignore_errors=True)
             if isinstance(exc, OSError):
                 raise DtrainError(f"slurm job {request.job.id}: could not prepare {job_dir}: "
@@ -125,8 +141,34 @@ class SlurmLauncher(Launcher):
 
     def status(self, handle: Handle) -> Update:
         state: SlurmState = handle.state
-        if handle.is_final or not state.slurm_job_id:
+        if handle.is_final:
             return Update()
+        adopted: dict[str, Any] = {}
+        if not state.slurm_job_id:
+            if state.submitter is None:
+                return Update()
+            waiting, found = follow_submitter(state, lambda: self._queued(handle),
+                                              made="sbatch queued the job")
+            if waiting is not None:
+                if waiting.status and state.job_dir:  # lost: what its submit would have removed
+                    shutil.rmtree(state.job_dir, ignore_errors=True)
+                return waiting
+            adopted = SlurmState.changes(slurm_job_id=found, submitter=None)
+            state = dataclasses.replace(state, slurm_job_id=found)
+        update = self._status(handle, state)
+        return dataclasses.replace(update, state={**(update.state or {}), **adopted})
+
+    def _queued(self, handle: Handle) -> str | None:
+        """The Slurm job a submit that died before recording it queued: Slurm's word, else the
+        batch output it started writing."""
+        job_dir = handle.state.job_dir
+        if not job_dir:
+            return None  # the submit died before it made the job's folder
+        found = commands.find_job(handle.job.name, job_dir, since=handle.job.submitted_at)
+        started = layout.batch_output_ids(job_dir)
+        return found or (started[-1] if started else None)
+
+    def _status(self, handle: Handle, state: SlurmState) -> Update:
         slurm = commands.job_state(state.slurm_job_id)
         hosts = layout.read_hosts(state.job_dir) or list(state.hosts)
         reports = layout.read_statuses(state.job_dir, hosts)

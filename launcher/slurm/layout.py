@@ -12,6 +12,7 @@ nothing of each other.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Any
@@ -30,6 +31,14 @@ HOSTS_ENV = "DTRAIN_SLURM_HOSTS"
 def batch_output(job_dir: str, slurm_job_id: str) -> str:
     """The batch script's ``--output`` (``slurm-%j.out`` in the job's folder)."""
     return os.path.join(job_dir, f"slurm-{slurm_job_id}.out")
+
+
+def batch_output_ids(job_dir: str) -> list[str]:
+    """The Slurm ids of the jobs that wrote a batch output in the folder (started there)."""
+    paths = glob.glob(batch_output(glob.escape(job_dir), "*"))
+    prefix, suffix = batch_output(job_dir, "\0").split("\0")
+    ids = (path[len(prefix):-len(suffix)] for path in paths)
+    return sorted((i for i in ids if i.isdigit()), key=int)
 
 
 def status_file(job_dir: str, host: str) -> str:

@@ -140,6 +140,55 @@ def test_a_worker_that_raises_fails_the_job_naming_rank_and_error(shared, cluste
     assert cluster.node_processes() == []
 
 
+KILLED_SUBMIT = """
+import os, sys
+from dtrain.jobs import api as jobs
+from dtrain.launcher.slurm import commands
+from dtrain.spec.model import JobSpec
+sbatch = commands.submit
+def submit_then_die(argv):
+    if sys.argv[2] == "after-sbatch":
+        sbatch(argv)  # Slurm has the job; its id is never recorded
+    os._exit(9)  # as a kill -9 of `dtrain submit` would leave it: no except clause runs
+commands.submit = submit_then_die
+jobs.submit(JobSpec.from_file(sys.argv[1]), wait=False)
+"""
+
+
+def test_a_submit_killed_around_sbatch_is_adopted_or_lost_and_its_folder_removed(
+        shared, cluster, tmp_path):
+    from dtrain.jobs.store import JobStore
+    from dtrain.spec.model import JobSpec
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("print('trained', flush=True)\n")
+    script = tmp_path / "killed_submit.py"
+    script.write_text(KILLED_SUBMIT)
+    for when in ("before-sbatch", "after-sbatch"):
+        spec = JobSpec.from_dict({
+            "name": when, "entry_point": "train.py", "source_dir": str(code),
+            "compute": {"target": "slurm", "instance_type": "local", "instance_count": 2,
+                        "max_run": 300},
+            "slurm": {"shared_dir": str(shared)}})
+        spec_file = tmp_path / f"{when}.json"  # JSON is YAML
+        spec_file.write_text(json.dumps(spec.to_dict()))
+        done = subprocess.run([sys.executable, str(script), str(spec_file), when], timeout=120,
+                              env=dict(os.environ), capture_output=True, text=True, check=False)
+        assert done.returncode == 9, done.stderr
+    records = {record.name: record for record in JobStore().list()}
+    lost = jobs.get(records["before-sbatch"].id)  # status sees the submit gone
+    assert lost.status == "Failed" and lost.failure_reason.startswith(
+        "lost: `dtrain submit` ended before sbatch queued the job (pid "), lost.failure_reason
+    assert not (shared / lost.id).exists(), "the lost job's folder was left on the shared disk"
+    adopted = jobs.get(records["after-sbatch"].id)
+    assert adopted.target_data["slurm_job_id"] and adopted.target_data["submitter"] is None
+    ended = jobs.wait_for(adopted.id, timeout_s=120)
+    assert ended.status == "Completed", ended.failure_reason
+    assert any("trained" in line for line in jobs.logs(adopted.id))
+    assert cluster.node_processes() == []
+
+
 def test_without_slurm_the_tests_fail_with_the_install_command(tmp_path):
     with pytest.raises(pytest.fail.Exception) as failed:
         _slurm_cluster.require_slurm(path=str(tmp_path))  # a PATH without Slurm's commands

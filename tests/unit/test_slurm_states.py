@@ -150,3 +150,27 @@ def test_scancel_of_a_job_that_already_ended_is_no_error(slurm_bin):
     slurm_bin("scancel", "", "scancel: error: Access/permission denied\n", 1)
     with pytest.raises(DtrainError, match="^scancel 7 failed .*permission denied"):
         commands.cancel("7")
+
+
+def test_the_job_a_dead_submit_queued_is_found_by_its_folder_in_squeue_sacct_or_its_output(
+        slurm_bin, tmp_path):
+    from dtrain.launcher.slurm import layout
+
+    job_dir = str(tmp_path / "shared" / "a1b2")
+    # squeue knows two jobs of that name: only one was started from this job's folder
+    slurm_bin("squeue", f"8|{tmp_path}/shared/other\n9|{job_dir}\n")
+    assert commands.find_job("t", job_dir, since=0) == "9"
+    slurm_bin("squeue", "")  # forgotten by squeue: the accounting record
+    slurm_bin("sacct", f"11|{job_dir}/\n")
+    assert commands.find_job("t", job_dir, since=0) == "11"
+    slurm_bin("sacct", "", "Slurm accounting storage is disabled\n", 1)
+    assert commands.find_job("t", job_dir, since=0) is None
+    slurm_bin("squeue", "", "slurm_load_jobs error: Unable to contact slurm controller\n", 1)
+    with pytest.raises(DtrainError, match="^squeue failed"):  # not "no such job"
+        commands.find_job("t", job_dir, since=0)
+    # the batch outputs in the folder: the jobs that started there, by id
+    os.makedirs(job_dir)
+    for job_id in ("12", "7", "notes"):
+        Path(layout.batch_output(job_dir, job_id)).write_text("")
+    assert layout.batch_output_ids(job_dir) == ["7", "12"]
+    assert layout.batch_output_ids(str(tmp_path / "none")) == []

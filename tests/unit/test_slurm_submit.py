@@ -111,3 +111,25 @@ def test_a_stop_while_sbatch_runs_cancels_the_slurm_job_it_made(tmp_path, monkey
     record = jobs.submit(spec_with_code(tmp_path), wait=False)
     assert cancelled == ["4242"]  # not left to run untracked
     assert (record.status, record.target_data["slurm_job_id"]) == ("Stopped", "4242")
+
+
+@pytest.mark.parametrize("during", ["sbatch", "staging"])
+def test_a_ctrl_c_leaves_the_record_to_status_and_keeps_the_folder_only_if_sbatch_ran(
+        tmp_path, monkeypatch, during):
+    from dtrain.launcher import process, staging
+    from dtrain.launcher.slurm import commands
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands if during == "sbatch" else staging,
+                        "submit" if during == "sbatch" else "stage_inputs", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        jobs.submit(spec_with_code(tmp_path), wait=False)
+    (record,) = JobStore().list()
+    # sbatch may have queued the job before the interrupt: `dtrain status` finds out (it
+    # adopts the job or ends the record lost, tests/integration/test_slurm.py)
+    assert record.status == "Pending"
+    assert record.target_data["submitter"] == process.this_process()
+    folders = [p.name for p in (tmp_path / "shared").iterdir()]
+    assert folders == ([record.id] if during == "sbatch" else [])
