@@ -8,7 +8,9 @@ import click
 @click.group("store")
 def store_group() -> None:
     """The job store: one SQLite file recording every job (DTRAIN_JOBS_DB, else
-    $DTRAIN_HOME/jobs.db), with a backup at most a day old next to it."""
+    $DTRAIN_HOME/jobs.db), with a backup at most a day old next to it. Many dtrain processes
+    may use it at once; on a file system machines share (NFS, Lustre: a home two login nodes
+    mount) it keeps a rollback journal instead of WAL, which needs all of them on one machine."""
 
 
 @store_group.command("path")

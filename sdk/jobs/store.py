@@ -1,8 +1,9 @@
 """The job store: one SQLite file that records every job of every target.
 
-``dtrain list/status/logs/stop`` read it the same way for local, SageMaker and EC2 jobs. Many CLI
-processes and local monitors write it at once, so every call opens its own connection, uses WAL,
-a busy timeout, short ``BEGIN IMMEDIATE`` transactions and retries on ``database is locked``.
+``dtrain list/status/logs/stop`` read it the same way for local, SageMaker, EC2 and Slurm jobs.
+Many CLI processes and local monitors write it at once, so every call opens its own connection,
+uses WAL (a rollback journal on a file system machines share), a busy timeout, short
+``BEGIN IMMEDIATE`` transactions and retries on ``database is locked``.
 Final states are sticky: an update never moves a job out of Completed/Failed/Stopped.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sqlite3
 import time
 import uuid
@@ -94,6 +96,32 @@ class JobRecord:
 
 def new_job_id() -> str:
     return uuid.uuid4().hex[:12]
+
+
+# File systems that machines share, where SQLite's WAL is unsafe (its docs: "WAL does not work
+# over a network filesystem").
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
+    "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.mountpoint-s3", "9p", "afs", "panfs",
+})
+MOUNTS = "/proc/mounts"
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the file system ``path`` is on: its longest mount point in ``/proc/mounts``
+    (None where there is none to read, as on macOS)."""
+    try:
+        with open(MOUNTS, encoding="utf-8", errors="replace") as mounts:
+            table = [line.split()[1:3] for line in mounts if len(line.split()) >= 3]
+    except OSError:
+        return None
+    path = os.path.realpath(path)
+    best, kind = "", None
+    for point, fs_type in table:
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), point)  # \040: a space
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best, kind = point, fs_type
+    return kind
 
 
 class JobStore:
@@ -183,9 +211,13 @@ class JobStore:
     def _create_schema(self) -> None:
         conn = self._connect()
         try:
-            # WAL lets readers run while a writer commits; the mode is stored in the file.
-            if conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                conn.execute("PRAGMA journal_mode=WAL")
+            # WAL lets readers run while a writer commits; the mode is stored in the file. Its
+            # index is shared memory, so every process must be on one machine: on a file system
+            # machines share (two login nodes, one home) the store keeps a rollback journal.
+            # Another connection open on the file blocks the change: it is tried again next time.
+            mode = "delete" if filesystem_type(self.path) in NETWORK_FILESYSTEMS else "wal"
+            if conn.execute("PRAGMA journal_mode").fetchone()[0] != mode:
+                conn.execute(f"PRAGMA journal_mode={mode}")
             conn.executescript(_SCHEMA)
         finally:
             conn.close()

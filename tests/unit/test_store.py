@@ -101,3 +101,32 @@ def test_target_data_learnt_after_the_end_is_merged_without_touching_the_status(
     assert after.target_data == {"prefix": "s3://b/p", "cleanup": {"state": "done"}}
     with pytest.raises(DtrainError, match="no job"):
         store.update("nope", target_data={})
+
+
+def test_on_a_file_system_machines_share_the_store_keeps_a_rollback_journal(tmp_path,
+                                                                            monkeypatch):
+    import sqlite3
+
+    from dtrain.jobs import store as store_module
+
+    def journal_mode(path) -> str:
+        conn = sqlite3.connect(path)
+        try:
+            return conn.execute("PRAGMA journal_mode").fetchone()[0]
+        finally:
+            conn.close()
+
+    home = tmp_path / "home dir"  # /proc/mounts writes the space as \040
+    home.mkdir()
+    local = JobStore(str(tmp_path / "local" / "jobs.db"))
+    before = JobStore(str(home / "jobs.db"))  # made while the home was a local disk: WAL
+    before.create(name="demo", target="local", spec={})
+    assert journal_mode(local.path) == journal_mode(before.path) == "wal"
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/export/home "
+                      f"{str(home).replace(' ', chr(92) + '040')} nfs4 rw 0 0\n")
+    monkeypatch.setattr(store_module, "MOUNTS", str(mounts))
+    shared = JobStore(str(home / "jobs.db"))  # WAL's shared-memory index is unsafe there
+    assert journal_mode(shared.path) == "delete"
+    assert [r.name for r in shared.list()] == ["demo"]
+    assert journal_mode(JobStore(str(tmp_path / "local" / "jobs.db")).path) == "wal"
