@@ -178,8 +178,6 @@ class LocalLauncher(Launcher):
                 facts = {**facts, **recovery.settle(
                     state.job_dir, state.hosts, facts, monitor_why=why,
                     stopping=handle.status == STOPPING, grace_s=_grace_period(state.job_dir))}
-        if handle.status == STOPPING and facts.get("status") not in FINAL_STATUSES:
-            facts = {**facts, "status": None}  # the monitor's Running predates the stop
         update = _update_from(facts)
         return dataclasses.replace(update, state={**(update.state or {}), **adopted}) \
             if adopted else update

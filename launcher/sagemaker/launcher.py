@@ -22,8 +22,9 @@ from typing import IO, TYPE_CHECKING, Any
 from dtrain.core import aws_images, s3
 from dtrain.core.aws import region_of
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FINAL_STATUSES, RUNNING, STARTING, STOPPING
+from dtrain.core.states import FINAL_STATUSES, RUNNING, STARTING, STOPPED, STOPPING
 from dtrain.launcher import aws, packaging
+from dtrain.launcher.agents import STOP_REASON
 from dtrain.launcher.base import (
     Handle,
     JobIdentity,
@@ -176,6 +177,9 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
         try:
             packaging.upload_all(s3_client, request.uploads, stream=self.out, uploaded=uploaded,
                                  entry_script=entry_script_text())
+            if journal.current().status == STOPPING:  # `dtrain stop` came while uploading
+                packaging.delete_objects(s3_client, uploaded)
+                return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON))
             action = f"CreateTrainingJob {name}"
             response = sagemaker.create_training_job(**payload)
         except BaseException as exc:
@@ -186,8 +190,17 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
             if error is None:
                 raise
             raise error from None
-        return journal.record(Update(status=STARTING, state=SageMakerState.changes(
+        # a Stopping record stays Stopping (the store): a stop that came during the call is
+        # delivered here, one that comes later finds the arn
+        handle = journal.record(Update(status=STARTING, state=SageMakerState.changes(
             arn=response["TrainingJobArn"], uploads=uploaded)))
+        if handle.status == STOPPING:
+            try:
+                return self.stop(handle, journal)
+            except DtrainError as exc:  # the job runs: the record must not say it failed
+                self.out.write(f"{name}: `dtrain stop` came while SageMaker created the job, and "
+                               f"stopping it failed ({exc}); run `dtrain stop` again\n")
+        return handle
 
     def _created_anyway(self, name: str, region: str, exc: BaseException) -> bool:
         """Whether CreateTrainingJob, cut off by ``exc`` (not SageMaker's refusal), made the job."""
@@ -275,9 +288,6 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
             # created by a submit that died before it recorded the job: adopted
             update = dataclasses.replace(update, state={
                 **update.state, "arn": described["TrainingJobArn"], "submitter": None})
-        if handle.status == STOPPING and update.status in (STARTING, RUNNING):
-            # right after StopTrainingJob SageMaker may still say InProgress: stay Stopping
-            update = dataclasses.replace(update, status=None)
         return update
 
     def logs(self, handle: Handle, *, follow: bool, host: str | None, rank: int | None,
@@ -294,6 +304,12 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
 
         if handle.is_final:
             return handle
+        if handle.state.arn is None and handle.state.submitter is not None:
+            # the submit is still uploading or creating: it stops the job when it sees this (a
+            # dead one's job was adopted or lost by the status before this call)
+            handle = journal.record(Update(status=STOPPING, failure_reason=STOP_REASON))
+            if handle.state.arn is None:
+                return handle  # else CreateTrainingJob has answered meanwhile: stop it here too
         state: SageMakerState = handle.state
         name = _job_name(handle)
         try:

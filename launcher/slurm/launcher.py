@@ -179,8 +179,6 @@ class SlurmLauncher(Launcher):
         started_at = min(started) if started else None
         if not states.has_ended(slurm):
             status, secondary = states.progress(slurm)
-            if handle.status == STOPPING:
-                status = None  # a stop under way stays Stopping until the job has ended
             return Update(status=status, started_at=started_at,
                           state={**facts, **SlurmState.changes(secondary_status=secondary)})
         status, reason = states.ending(

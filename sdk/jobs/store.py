@@ -265,7 +265,9 @@ class JobStore:
                target_data: dict[str, Any] | None = None, **fields: Any) -> JobRecord:
         """Change fields of a job; ``target_data`` is merged. A final status never changes, nor
         does any other field of an ended job, except ``target_data``: a target learns facts
-        after the end too (the EC2 backend removing its groups).
+        after the end too (the EC2 backend removing its groups). A Stopping job changes only to
+        a final status: a target's Running, or a submit's Starting, written after `dtrain stop`
+        asked does not undo the stop.
 
         Returns the record as stored afterwards (check ``status`` to see whether you won a race).
         """
@@ -282,7 +284,8 @@ class JobStore:
                 if row is None:
                     raise DtrainError(f"no job with id {job_id!r}; see `dtrain list`")
                 values = {} if row[0] in FINAL_STATUSES else dict(fields)
-                if status is not None and row[0] not in FINAL_STATUSES:
+                if status is not None and row[0] not in FINAL_STATUSES and (
+                        row[0] != STOPPING or status in FINAL_STATUSES):
                     values["status"] = status
                     if status in FINAL_STATUSES and "ended_at" not in values:
                         values["ended_at"] = time.time()

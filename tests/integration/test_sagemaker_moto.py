@@ -252,6 +252,37 @@ def test_stop_refused_for_a_running_job_is_one_line(submitted):
     assert JobStore().get(facts["record"].id).status == "Running"
 
 
+@pytest.mark.parametrize("during", ["the upload", "CreateTrainingJob"])
+def test_a_stop_while_submitting_is_delivered_and_never_leaves_a_job_running(
+        moto_aws, tmp_path, during):  # noqa: F811
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+    client, s3 = moto_aws.client("sagemaker"), moto_aws.client("s3")
+    clients = {"sagemaker_client": client, "s3_client": s3, "stream": io.StringIO()}
+    stopped = []
+
+    def stop_now(**_):  # `dtrain stop` from another terminal, once per submit
+        if not stopped:
+            [record] = JobStore().list()
+            stopped.append(jobs.stop(record.id, clients=clients))
+
+    if during == "the upload":  # as the last file (the entry script) goes up
+        s3.meta.events.register("provide-client-params.s3.PutObject", lambda params, **_: stop_now()
+                                if params["Key"].endswith("/sagemaker_entry.sh") else None)
+    else:  # the stop finds no job yet; SageMaker creates it after
+        client.meta.events.register("before-call.sagemaker.CreateTrainingJob", stop_now)
+    calls = answer_stop(client)
+    record = jobs.submit(spec_for(make_source(tmp_path / "src")), wait=False, clients=clients)
+    assert stopped[0].status == "Stopping"  # recorded; the submit under way delivers it
+    if during == "the upload":  # no job, and the code it uploaded is gone
+        assert (record.status, record.failure_reason) == ("Stopped", "stopped by user")
+        assert moto_aws.sagemaker.list_training_jobs()["TrainingJobSummaries"] == []
+        assert objects(moto_aws.s3) == [] and calls == []
+    else:  # created meanwhile: the submit stops it, the record stays Stopping till it ends
+        assert calls == [record.name]
+        assert record.status == "Stopping" and record.target_data["arn"]
+        assert record.failure_reason == "stopped by user"
+
+
 def test_missing_bucket_fails_before_any_upload(moto_aws, tmp_path):  # noqa: F811
     spec = spec_for(make_source(tmp_path / "src"))
     with pytest.raises(DtrainError, match=f"bucket '{BUCKET}' does not exist; create it"):

@@ -37,6 +37,18 @@ def test_final_states_are_sticky():
     assert after.ended_at is not None
 
 
+def test_a_stopping_job_changes_only_to_an_end():
+    store = JobStore()
+    rec = store.create(name="demo", target="local", spec={})
+    store.update(rec.id, status="Stopping", failure_reason="stopped by user")
+    # a target still saying Running, a submit recording its Starting after the stop came
+    for status in (RUNNING, "Starting", "Pending"):
+        assert store.update(rec.id, status=status, target_data={"seen": status}).status == \
+            "Stopping"
+    assert store.get(rec.id).target_data == {"seen": "Pending"}  # the facts still merge
+    assert store.update(rec.id, status="Stopped").status == "Stopped"
+
+
 def test_find_by_id_prefix_or_latest_name():
     store = JobStore()
     first = store.create(name="same", target="local", spec={}, job_id="abc111")
