@@ -32,6 +32,20 @@ def this_process() -> dict[str, Any]:
     return describe(os.getpid())
 
 
+def find_running(arguments: list[str]) -> dict[str, Any] | None:
+    """A process of this machine whose command line ends with ``arguments`` (the program's
+    path may differ between interpreters), described; None if none runs."""
+    import psutil
+
+    for found in psutil.process_iter(["cmdline"]):
+        cmdline = found.info.get("cmdline") or []
+        if len(cmdline) > len(arguments) and cmdline[-len(arguments):] == arguments:
+            seen = _inspect(found.pid)
+            if seen is not None:
+                return describe(found.pid)
+    return None
+
+
 def process_alive(owner: dict[str, Any] | None) -> bool | None:
     """Whether the process ``describe()`` described still runs; None when this machine
     cannot tell (it ran on another host, or the record predates the description)."""

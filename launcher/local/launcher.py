@@ -143,7 +143,7 @@ class LocalLauncher(Launcher):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         with open(os.path.join(job_dir, layout.MONITOR_LOG), "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "dtrain.launcher.local.monitor", job_dir],
+                [sys.executable, *_monitor_arguments(job_dir)],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True)
         return process.describe(proc.pid)
@@ -160,8 +160,11 @@ class LocalLauncher(Launcher):
         if state.monitor is None and state.submitter is not None:
             def noted_monitor() -> dict[str, Any] | None:
                 # the submitter notes the monitor in the facts file before the store: died
-                # between?
-                return layout.read_state(state.job_dir).get("monitor") if state.job_dir else None
+                # between, or even between starting the monitor and noting it?
+                if not state.job_dir:
+                    return None
+                return layout.read_state(state.job_dir).get("monitor") or \
+                    process.find_running(_monitor_arguments(state.job_dir))
 
             waiting, monitor = follow_submitter(state, noted_monitor, made="it started the job")
             if waiting is not None:
@@ -227,3 +230,9 @@ def _update_from(facts: dict[str, Any]) -> Update:
                   started_at=facts.get("started_at"), ended_at=facts.get("ended_at"),
                   state=LocalState.changes(**{k: facts[k] for k in ("agents", "secondary_status")
                                               if k in facts}))
+
+
+def _monitor_arguments(job_dir: str) -> list[str]:
+    """The monitor's command line after the interpreter: how status recognises one whose
+    submit died before noting it."""
+    return ["-m", "dtrain.launcher.local.monitor", job_dir]

@@ -273,8 +273,12 @@ from dtrain.launcher.local import launcher, layout
 from dtrain.spec.model import JobSpec
 
 when = sys.argv[2]
+start = launcher.LocalLauncher._start_monitor
 if when == "before-the-monitor":
     launcher.LocalLauncher._start_monitor = staticmethod(lambda job_dir: os._exit(9))
+elif when == "before-noting-it":  # the monitor starts; nothing has noted it yet
+    launcher.LocalLauncher._start_monitor = staticmethod(lambda job_dir: (start(job_dir),
+                                                                          os._exit(9)))
 else:  # after the monitor started and was noted in the facts file, before the store heard
     write = layout.write_state
     def write_then_die(job_dir, **facts):
@@ -287,6 +291,7 @@ jobs.submit(JobSpec.from_file(sys.argv[1]), wait=False)
 
 
 @pytest.mark.parametrize("when, status", [("before-the-monitor", "Failed"),
+                                          ("before-noting-it", "Completed"),
                                           ("after-the-monitor", "Completed")])
 def test_a_submit_killed_half_way_leaves_a_record_that_ends(tmp_path, dtrain_home, when, status):
     import subprocess
