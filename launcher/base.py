@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from dtrain.core import contract
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FAILED, FINAL_STATUSES
+from dtrain.core.states import FAILED, FINAL_STATUSES, STOPPED, STOPPING
 from dtrain.launcher import process
 
 if TYPE_CHECKING:
@@ -157,18 +157,20 @@ class PendingCleanup:
 Found = TypeVar("Found")
 
 
-def follow_submitter(state: TargetState, find: Callable[[], Found | None], *,
+def follow_submitter(handle: Handle, find: Callable[[], Found | None], *,
                      made: str) -> tuple[Update | None, Found | None]:
-    """What became of a job its target has not recorded yet, while ``state.submitter`` (the
-    `dtrain submit` that makes it) may have died half-way: a target whose status reads this sets
+    """What became of a job its target has not recorded yet, while ``submitter`` (the `dtrain
+    submit` that makes it) may have died half-way: a target whose status reads this sets
     ``Launcher.follows_submitter``.
 
     ``find()`` asks the target for the job the submit made, None if there is none. Returns
-    ``(None, found)`` when the target has it: the caller adopts it (and clears ``submitter``);
-    else ``(update, None)``: no change while the submit runs or where it cannot be judged (it
-    ran on another host), the job ``Failed`` ("lost") once it is gone. ``made`` ends "`dtrain
-    submit` ended before ...": what the target would have had."""
-    alive, why = process.judge(state.submitter)
+    ``(None, found)`` when the target has it: the caller adopts it (and clears ``submitter``;
+    a ``Stopping`` record's stop, which that submit would have delivered, is the caller's to
+    deliver now); else ``(update, None)``: no change while the submit runs or where it cannot
+    be judged (it ran on another host), and once it is gone the job has ended: ``Failed``
+    ("lost"), or ``Stopped`` if a stop was asked. ``made`` ends "`dtrain submit` ended before
+    ...": what the target would have had."""
+    alive, why = process.judge(handle.state.submitter)
     if alive:
         return Update(), None  # still submitting: nothing to ask the target yet
     found = find()
@@ -176,6 +178,8 @@ def follow_submitter(state: TargetState, find: Callable[[], Found | None], *,
         return None, found
     if alive is None:
         return Update(), None
+    if handle.status == STOPPING:
+        return Update(status=STOPPED, ended_at=time.time()), None  # "stopped by user" stays
     return Update(status=FAILED, ended_at=time.time(), failure_reason=(
         f"lost: `dtrain submit` ended before {made} ({why}); nothing of it ran; "
         "submit again")), None

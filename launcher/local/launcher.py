@@ -166,11 +166,13 @@ class LocalLauncher(Launcher):
                 return layout.read_state(state.job_dir).get("monitor") or \
                     process.find_running(_monitor_arguments(state.job_dir))
 
-            waiting, monitor = follow_submitter(state, noted_monitor, made="it started the job")
+            waiting, monitor = follow_submitter(handle, noted_monitor, made="it started the job")
             if waiting is not None:
                 return waiting
             adopted = {"monitor": monitor, "submitter": None}
             state = dataclasses.replace(state, monitor=monitor)
+            if handle.status == STOPPING:  # the stop its submit would have delivered
+                process.signal_process(monitor, signal.SIGTERM)
         if not state.job_dir:
             return Update()
         facts = layout.read_state(state.job_dir)

@@ -276,11 +276,15 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
         state: SageMakerState = handle.state
         if state.arn is None and state.submitter is not None:  # uploading or creating
             waiting, described = follow_submitter(
-                state, lambda: self.describe(_job_name(handle), region=state.region,
-                                             missing_ok=True),
+                handle, lambda: self.describe(_job_name(handle), region=state.region,
+                                              missing_ok=True),
                 made="SageMaker created the job")
             if waiting is not None:
                 return waiting
+            if handle.status == STOPPING and described.get("TrainingJobStatus") == "InProgress":
+                # the stop its submit would have delivered (if refused, it is not adopted yet:
+                # the next status tries again)
+                self._stop_training_job(_job_name(handle), state.region)
         else:
             described = self.describe(_job_name(handle), region=state.region)
         update = update_from(described)
@@ -300,8 +304,6 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
 
     def stop(self, handle: Handle, journal: Journal) -> Handle:
         """StopTrainingJob; SageMaker sends SIGTERM, so the agent checkpoints and exits."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
         if handle.is_final:
             return handle
         if handle.state.arn is None and handle.state.submitter is not None:
@@ -310,17 +312,23 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
             handle = journal.record(Update(status=STOPPING, failure_reason=STOP_REASON))
             if handle.state.arn is None:
                 return handle  # else CreateTrainingJob has answered meanwhile: stop it here too
-        state: SageMakerState = handle.state
-        name = _job_name(handle)
         try:
-            self.client_in("sagemaker", state.region).stop_training_job(TrainingJobName=name)
-        except (ClientError, BotoCoreError) as exc:
+            self._stop_training_job(_job_name(handle), handle.state.region)
+        except DtrainError:
             # SageMaker refuses to stop a job that has just ended or is stopping already
             now = self.status(handle)
             if now.status in FINAL_STATUSES or now.status == STOPPING:
                 return journal.record(now)
-            raise aws.as_dtrain_error(exc, f"StopTrainingJob {name}") from None
+            raise
         return journal.record(Update(status=STOPPING))
+
+    def _stop_training_job(self, name: str, region: str | None) -> None:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            self.client_in("sagemaker", region).stop_training_job(TrainingJobName=name)
+        except (ClientError, BotoCoreError) as exc:
+            raise aws.as_dtrain_error(exc, f"StopTrainingJob {name}") from None
 
 
 def update_from(described: dict[str, Any]) -> Update:

@@ -95,7 +95,7 @@ def find_job(job_name: str, job_dir: str, *, since: float) -> str | None:
     """The id of the job ``sbatch`` queued from ``job_dir`` (its ``--chdir``) under
     ``job_name``, for a submit that died before it recorded the id: as ``squeue`` knows it, else
     as ``sacct`` remembers it (jobs submitted after ``since``); None when neither knows one."""
-    done = run(["squeue", "--noheader", "--states=all", f"--name={job_name}",
+    done = run(["squeue", "--noheader", "--all", "--states=all", f"--name={job_name}",
                 "--format=%i|%Z"], check=False)
     if done.returncode != 0:  # slurmctld down: that is no answer, not "no such job"
         raise DtrainError(f"squeue failed (exit code {done.returncode}): "

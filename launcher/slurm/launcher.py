@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 from dtrain.core import contract, logformat
 from dtrain.core.errors import DtrainError
 from dtrain.core.states import STOPPED, STOPPING
-from dtrain.launcher import agents, packaging, staging
+from dtrain.launcher import agents, packaging, process, staging
 from dtrain.launcher.agents import STOP_REASON, new_lines
 from dtrain.launcher.base import (
     Launcher,
@@ -145,14 +145,17 @@ class SlurmLauncher(Launcher):
             return Update()
         adopted: dict[str, Any] = {}
         if not state.slurm_job_id:
-            if state.submitter is None:
-                return Update()
-            waiting, found = follow_submitter(state, lambda: self._queued(handle),
+            if state.submitter is None or (state.job_dir and process.find_running(
+                    script.sbatch_command(state.job_dir)[1:])):
+                return Update()  # (a killed submit's sbatch may still be talking to Slurm)
+            waiting, found = follow_submitter(handle, lambda: self._queued(handle),
                                               made="sbatch queued the job")
             if waiting is not None:
-                if waiting.status and state.job_dir:  # lost: what its submit would have removed
+                if waiting.status and state.job_dir:  # ended: what its submit would have removed
                     shutil.rmtree(state.job_dir, ignore_errors=True)
                 return waiting
+            if handle.status == STOPPING:  # the stop its submit would have delivered
+                commands.cancel(found)
             adopted = SlurmState.changes(slurm_job_id=found, submitter=None)
             state = dataclasses.replace(state, slurm_job_id=found)
         update = self._status(handle, state)
@@ -164,9 +167,9 @@ class SlurmLauncher(Launcher):
         job_dir = handle.state.job_dir
         if not job_dir:
             return None  # the submit died before it made the job's folder
-        found = commands.find_job(handle.job.name, job_dir, since=handle.job.submitted_at)
         started = layout.batch_output_ids(job_dir)
-        return found or (started[-1] if started else None)
+        return started[-1] if started else commands.find_job(
+            handle.job.name, job_dir, since=handle.job.submitted_at)
 
     def _status(self, handle: Handle, state: SlurmState) -> Update:
         slurm = commands.job_state(state.slurm_job_id)
@@ -217,10 +220,12 @@ class SlurmLauncher(Launcher):
     def stop(self, handle: Handle, journal: Journal) -> Handle:
         if handle.is_final:
             return handle
-        handle = journal.record(Update(status=STOPPING, state=SlurmState.changes(
-            stop_requested_at=time.time())))
+        handle = journal.record(Update(status=STOPPING, failure_reason=STOP_REASON,
+                                       state=SlurmState.changes(stop_requested_at=time.time())))
         state: SlurmState = handle.state  # as stored now: sbatch's id may have just come
-        if not state.slurm_job_id:  # sbatch never answered: there is nothing to cancel
+        if not state.slurm_job_id:  # sbatch has not answered: nothing to cancel yet
+            if state.submitter is not None:
+                return handle  # the submit cancels what sbatch answers; if it dies, status does
             return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON))
         commands.cancel(state.slurm_job_id)
         return journal.current()

@@ -101,8 +101,9 @@ def new_job_id() -> str:
 # File systems that machines share, where SQLite's WAL is unsafe (its docs: "WAL does not work
 # over a network filesystem").
 NETWORK_FILESYSTEMS = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs",
-    "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.mountpoint-s3", "9p", "afs", "panfs",
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "fuse.ceph-fuse",
+    "glusterfs", "fuse.glusterfs", "wekafs", "gfs2", "ocfs2", "virtiofs", "9p", "afs", "panfs",
+    "fuse.sshfs", "fuse.s3fs", "fuse.mountpoint-s3", "fuse.gcsfuse", "fuse.juicefs",
 })
 MOUNTS = "/proc/mounts"
 
@@ -119,7 +120,8 @@ def filesystem_type(path: str) -> str | None:
     best, kind = "", None
     for point, fs_type in table:
         point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), point)  # \040: a space
-        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+        # ">=": of two mounts on one point (autofs, then the NFS it mounted) the later is seen
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
             best, kind = point, fs_type
     return kind
 
@@ -217,7 +219,11 @@ class JobStore:
             # Another connection open on the file blocks the change: it is tried again next time.
             mode = "delete" if filesystem_type(self.path) in NETWORK_FILESYSTEMS else "wal"
             if conn.execute("PRAGMA journal_mode").fetchone()[0] != mode:
-                conn.execute(f"PRAGMA journal_mode={mode}")
+                conn.execute("PRAGMA busy_timeout = 100")  # not worth waiting for
+                try:
+                    conn.execute(f"PRAGMA journal_mode={mode}")
+                except sqlite3.OperationalError:  # "database is locked": another one has it
+                    pass
             conn.executescript(_SCHEMA)
         finally:
             conn.close()

@@ -192,6 +192,7 @@ def answer_describe(client, name, *answers):
         status, secondary, reason = pending.pop(0) if len(pending) > 1 else pending[0]
         return SimpleNamespace(status_code=200, headers={}), {
             "TrainingJobName": name, "TrainingJobStatus": status, "SecondaryStatus": secondary,
+            "TrainingJobArn": f"arn:aws:sagemaker:us-east-1:123456789012:training-job/{name}",
             **({"FailureReason": reason} if reason else {}),
             "ResourceConfig": {"InstanceType": "ml.p4d.24xlarge", "InstanceCount": 2},
             "SecondaryStatusTransitions": [{"Status": "Starting", "StatusMessage": "Starting"},
@@ -527,6 +528,29 @@ def test_a_job_whose_submit_died_is_adopted_if_sagemaker_has_it_and_lost_if_not(
                              "training_job_name": "pythia-1b-p4d-20261125-000001-000",
                              "region": "us-east-1", "submitter": _this_process()})
     assert jobs.get(alive.id, clients=clients).status == "Pending"  # still submitting: no call
+
+
+def test_a_stop_its_dead_submit_never_delivered_is_delivered_by_status(submitted):
+    aws, facts, _ = submitted
+    store, clients, record = JobStore(), facts["clients"], facts["record"]
+    never = store.create(name="pythia-1b-p4d-20261125-000002-000", target="sagemaker",
+                         spec=record.spec, status="Stopping",
+                         target_data={"training_job_name": "pythia-1b-p4d-20261125-000002-000",
+                                      "region": "us-east-1", "submitter": _dead_submitter()})
+    store.update(never.id, failure_reason="stopped by user")
+    ended = jobs.get(never.id, clients=clients)  # it died before SageMaker had the job
+    assert (ended.status, ended.failure_reason) == ("Stopped", "stopped by user")
+
+    # `dtrain stop` came during CreateTrainingJob, then the submit died before it recorded the
+    # job or delivered the stop
+    store.update(record.id, status="Stopping", failure_reason="stopped by user",
+                 target_data={"arn": None, "submitter": _dead_submitter()})
+    client = aws.client("sagemaker")
+    answer_describe(client, record.name, ("InProgress", "Training", None))
+    calls = answer_stop(client)
+    adopted = jobs.get(record.id, clients=clients)
+    assert calls == [record.name]  # the job does not train on to its end
+    assert adopted.status == "Stopping" and adopted.target_data["arn"].endswith(record.name)
 
 
 def _this_process() -> dict:

@@ -33,6 +33,7 @@ def sbatch(tmp_path, monkeypatch):
                         f'>&{2 if code else 1}\nexit {code}\n')
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
     answer.calls = calls
+    answer.folder = folder
     return answer
 
 
@@ -133,3 +134,34 @@ def test_a_ctrl_c_leaves_the_record_to_status_and_keeps_the_folder_only_if_sbatc
     assert record.target_data["submitter"] == process.this_process()
     folders = [p.name for p in (tmp_path / "shared").iterdir()]
     assert folders == ([record.id] if during == "sbatch" else [])
+
+
+def test_a_stop_then_a_ctrl_c_during_sbatch_ends_stopped_once_the_submit_is_gone(
+        tmp_path, monkeypatch, sbatch):
+    import subprocess
+
+    from dtrain.launcher import process
+    from dtrain.launcher.slurm import commands
+
+    for name in ("squeue", "sacct"):  # Slurm has no such job: sbatch never queued it
+        sbatch.folder.joinpath(name).write_text("#!/bin/sh\nexit 0\n")
+        sbatch.folder.joinpath(name).chmod(0o755)
+
+    def stopped_then_interrupted(*_args, **_kwargs):
+        [pending] = JobStore().list()
+        assert jobs.stop(pending.id).status == "Stopping"  # the submit under way delivers it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "submit", stopped_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        jobs.submit(spec_with_code(tmp_path), wait=False)
+    (record,) = JobStore().list()
+    assert record.status == "Stopping" and (tmp_path / "shared" / record.id).is_dir()
+    gone = subprocess.Popen(["sleep", "30"])  # the submit, as if it had exited
+    dead = process.describe(gone.pid)
+    gone.kill()
+    gone.wait()
+    JobStore().update(record.id, target_data={"submitter": dead})
+    ended = jobs.get(record.id)
+    assert (ended.status, ended.failure_reason) == ("Stopped", "stopped by user")
+    assert not (tmp_path / "shared" / record.id).exists()  # nothing left on the shared disk

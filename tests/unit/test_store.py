@@ -135,9 +135,15 @@ def test_on_a_file_system_machines_share_the_store_keeps_a_rollback_journal(tmp_
     before.create(name="demo", target="local", spec={})
     assert journal_mode(local.path) == journal_mode(before.path) == "wal"
     mounts = tmp_path / "mounts"
-    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\nserver:/export/home "
-                      f"{str(home).replace(' ', chr(92) + '040')} nfs4 rw 0 0\n")
+    point = str(home).replace(" ", chr(92) + "040")
+    # an automounter's direct map: autofs on the point, then the NFS it mounted over it
+    mounts.write_text(f"/dev/sda1 / ext4 rw 0 0\n/etc/auto.direct {point} autofs rw 0 0\n"
+                      f"server:/export/home {point} nfs4 rw 0 0\n")
     monkeypatch.setattr(store_module, "MOUNTS", str(mounts))
+    held = sqlite3.connect(before.path)  # another dtrain process has it open: no switch yet,
+    held.execute("SELECT count(*) FROM jobs").fetchone()  # and no error either
+    assert journal_mode(JobStore(str(home / "jobs.db")).path) == "wal"
+    held.close()
     shared = JobStore(str(home / "jobs.db"))  # WAL's shared-memory index is unsafe there
     assert journal_mode(shared.path) == "delete"
     assert [r.name for r in shared.list()] == ["demo"]
