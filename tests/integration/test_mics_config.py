@@ -147,6 +147,25 @@ def test_accumulate_marks_every_window_end_and_the_last_batch_as_boundaries(one_
     assert flags == [False, True, False, True, True]
 
 
+def test_at_a_boundary_the_loader_has_given_exactly_the_batches_trained(one_process_ctx):
+    # a checkpoint taken at a boundary saves the loader's position: a batch read ahead would
+    # be skipped by the resumed run
+    _, ctx = one_process_ctx
+    given = []
+
+    def loader():
+        for batch in range(7):
+            given.append(batch)
+            yield batch
+
+    trained = []
+    for micro in ctx.accumulate(nn.Linear(1, 1), loader(), micro_batches_per_step=3):
+        trained.append(micro.batch)
+        if micro.is_boundary:
+            assert given == trained
+    assert trained == list(range(7))
+
+
 def test_accumulate_follows_the_spec_and_never_overrides_it_silently(one_process_ctx, caplog):
     _, ctx = one_process_ctx  # gradient_accumulation_steps: 1
     assert [m.num_steps for m in ctx.accumulate(nn.Linear(1, 1), range(2))] == [1, 1]

@@ -428,6 +428,48 @@ def test_resuming_with_a_loader_that_cannot_restore_its_position_says_so(job, ca
                r.getMessage() for r in caplog.records)
 
 
+def test_a_loader_shorter_than_the_run_is_read_again_and_a_spent_iterator_is_one_error(job):
+    import dtrain.runtime as rt
+    from dtrain.runtime.models import from_preset
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+    from dtrain.runtime.train.data import TokenBatch
+    from dtrain.runtime.train.trainer import Trainer, TrainerConfig
+
+    batches = [TokenBatch(torch.randint(0, 256, (2, 33)), i) for i in range(3)]
+    try:
+        ctx = rt.init(distribution={"sharding_degree": 1})
+        model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
+        result = Trainer(model, ctx, next_token_loss, config=TrainerConfig(steps=5)).fit(batches)
+        assert (result.step, result.preempted) == (5, False)  # 3 batches, then 2 more
+        model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
+        with pytest.raises(ValueError, match=r"^the loader \(list_iterator\) has no more batches "
+                                             r"after 1 epoch\(s\): an iterator runs only once"):
+            Trainer(model, ctx, next_token_loss, config=TrainerConfig(steps=9),
+                    checkpoint_dir=job / "other").fit(iter(batches))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert latest_checkpoint(job / "checkpoints").name == "step-000005"
+
+
+def test_a_stop_before_the_first_step_writes_no_checkpoint(job, monkeypatch):
+    from dtrain.runtime.train.trainer import Trainer
+
+    resume = Trainer._resume
+
+    def resume_then_stopped(self, *args):
+        os.kill(os.getpid(), signal.SIGTERM)  # `dtrain stop` lands before step 1
+        return resume(self, *args)
+
+    monkeypatch.setattr(Trainer, "_resume", resume_then_stopped)
+    try:
+        _, result = _tiny_fit(3)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (result.step, result.preempted) == (0, True)
+    # an optimizer saved before its first step holds the state of a made-up one
+    assert latest_checkpoint(job / "checkpoints") is None
+
+
 def test_the_final_model_save_can_be_skipped_and_an_impossible_format_is_refused_up_front(job):
     import dtrain.runtime as rt
     from dtrain.runtime.recipes.causal_lm import next_token_loss

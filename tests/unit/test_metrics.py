@@ -166,3 +166,16 @@ def test_loss_scaler_skips_overflowing_steps_and_grows_back():
     assert scaler.update(math.inf) is False and scaler.scale == 4.0
     assert scaler.update(1.0) and scaler.update(1.0) and scaler.scale == 8.0
     assert DynamicLossScaler(enabled=False).scale == 1.0
+
+
+def test_a_resume_keeps_the_loss_scale_only_between_runs_that_scale():
+    fp16 = DynamicLossScaler(init_scale=8.0)
+    fp16.update(math.inf)
+    bf16 = DynamicLossScaler(enabled=False)
+    resumed = DynamicLossScaler()  # fp16, from a bf16 run's checkpoint: 1.0 would underflow
+    resumed.load_state_dict(bf16.state_dict())
+    assert resumed.scale == 2.0**16
+    resumed.load_state_dict(fp16.state_dict())
+    assert resumed.scale == 4.0
+    bf16.load_state_dict(fp16.state_dict())  # and a run that does not scale stays at 1
+    assert bf16.scale == 1.0

@@ -79,6 +79,9 @@ def micro_step(model: torch.nn.Module, *, boundary: bool,
         set_sync_mode(model, boundary=True)
 
 
+_UNREAD = object()
+
+
 def accumulate(
     model: torch.nn.Module, batches: Iterable[Any], *, micro_batches_per_step: int,
     within: Callable[[], AbstractContextManager] = nullcontext,
@@ -98,14 +101,22 @@ def accumulate(
         return
     index = 0
     while True:
-        try:
-            upcoming = next(iterator)
-            last = False
-        except StopIteration:
-            upcoming, last = None, True
-        boundary = last or index == steps - 1
+        # Look ahead (is this the data's last batch?) only inside a window: at its boundary the
+        # loader's state_dict then counts exactly the batches trained on, as a checkpoint
+        # taken there must.
+        boundary, last, upcoming = index == steps - 1, False, _UNREAD
+        if not boundary:
+            try:
+                upcoming = next(iterator)
+            except StopIteration:
+                boundary = last = True
         with micro_step(model, boundary=boundary, within=within):
             yield MicroStep(current, index, steps, boundary)
         if last:
             return
+        if upcoming is _UNREAD:
+            try:
+                upcoming = next(iterator)
+            except StopIteration:
+                return
         current, index = upcoming, 0 if boundary else index + 1

@@ -104,10 +104,13 @@ class DynamicLossScaler:
         return True
 
     def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "good_steps": self.good_steps}
+        return {"scale": self.scale, "good_steps": self.good_steps, "enabled": self.enabled}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        """The saved scale, if both runs scale the loss: a bf16 or fp32 run's 1.0 would make
+        an fp16 resume's small gradients underflow for thousands of steps."""
+        if self.enabled and state.get("enabled", True):
+            self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
 
 
 def clip_and_unscale_(

@@ -180,7 +180,7 @@ class Trainer:
         result = FitResult(step=0, resumed_from=self._resume(checkpoints, loader))
         logger = m.MetricsLogger(output_dir=self.output_dir, enabled=self.ctx.is_main)
         window = _Window()
-        batches = iter(loader)
+        batches = _epochs(loader)
         self.ctx.comm_stats.reset()  # count training traffic only, not setup and resume
         try:
             while self.step < self.config.steps:
@@ -291,7 +291,9 @@ class Trainer:
         """A checkpoint of this step, unless it has one already (saved at an interval, or
         resumed from, just before a stop or the end): rewriting it only spends the grace
         period."""
-        if self._saved_step == self.step:
+        if self._saved_step == self.step or self.step == 0:
+            # step 0: nothing trained, and an optimizer without state would be saved with a
+            # made-up one (torch initialises it with a zero-gradient step)
             return
         checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state(loader))
         self._saved_step = self.step
@@ -305,7 +307,11 @@ class Trainer:
         self.scaler.load_state_dict(state["loss_scaler"])
         if state.get("data") is not None and hasattr(loader, "load_state_dict"):
             loader.load_state_dict(state["data"])
-        elif not hasattr(loader, "load_state_dict"):
+        elif hasattr(loader, "load_state_dict"):
+            logger.warning("resumed at step %d, but the checkpoint holds no data position (the "
+                           "run that saved it had a loader without state_dict): the data "
+                           "starts from the beginning again", self.step)
+        else:
             logger.warning("resumed at step %d, but the loader (%s) has no load_state_dict: it "
                            "starts its data from the beginning again (DistributedTokenLoader "
                            "resumes where the checkpoint left it)", self.step,
@@ -343,6 +349,29 @@ class Trainer:
 def _local_value(loss: torch.Tensor) -> torch.Tensor:
     """The loss as a plain tensor: tensor parallelism's loss is a replicated DTensor."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _epochs(loader: Any) -> Iterator[Any]:
+    """The loader's batches, epoch after epoch: training runs for ``steps`` optimizer steps,
+    whatever the loader's length (a ``DistributedSampler``'s ``set_epoch`` reshuffles each)."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty and not epoch:
+            raise ValueError(f"the loader ({type(loader).__name__}) yields no batches")
+        if empty:
+            raise ValueError(
+                f"the loader ({type(loader).__name__}) has no more batches after {epoch} "
+                "epoch(s): an iterator runs only once; pass something that can be iterated "
+                "again (a DataLoader, a list) or lower steps")
+        epoch += 1
+        logger.info("the loader's epoch %d has ended: starting epoch %d", epoch, epoch + 1)
 
 
 def _setting(value: int | None, name: str, job_value: int, job_field: str) -> int:
