@@ -76,7 +76,8 @@ class Ec2Options(_Model):
         False, description="Allow an ssh_cidr open to the world (0.0.0.0/0 or wider than /8).",
     )
     instance_profile: str | None = Field(
-        None, description="IAM instance profile (name or ARN) giving nodes S3 access."
+        None, description="Required: IAM instance profile (name or ARN) whose role lets the "
+        "nodes read and write the output_path bucket."
     )
     placement_group: str | None = Field(
         None, description="Existing cluster placement group; default: dtrain creates one."

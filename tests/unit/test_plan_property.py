@@ -62,7 +62,7 @@ def specs(draw) -> dict:
         "compute": {"target": target, **compute}, "distribution": distribution,
         "output_path": "s3://dtrain-bucket/out" if target in ("sagemaker", "ec2") else None,
         "sagemaker": {"role": "arn:aws:iam::111122223333:role/Training"},
-        "slurm": {"shared_dir": "/fsx/dtrain"},
+        "slurm": {"shared_dir": "/fsx/dtrain"}, "ec2": {"instance_profile": "dtrain-node"},
     }
 
 
@@ -122,7 +122,8 @@ def test_the_runtime_builds_the_printed_plan_or_validation_refuses_naming_the_fi
 def test_the_issue_s_three_p4d_at_degree_12_plans_what_the_runtime_builds():
     data = {"name": "p", "entry_point": "recipe:causal_lm",
             "compute": {"target": "ec2", "instance_type": "p4d.24xlarge", "instance_count": 3},
-            "distribution": {"sharding_degree": 12}, "output_path": "s3://dtrain-bucket/o"}
+            "distribution": {"sharding_degree": 12}, "output_path": "s3://dtrain-bucket/o",
+            "ec2": {"instance_profile": "dtrain-node"}}
     printed = validate_and_plan(data)
     assert printed["parallelism"]["hierarchical_allgather"] is False
     assert runtime_plan(printed) == ParallelismPlan.from_dict(printed["parallelism"])

@@ -51,6 +51,22 @@ def backend_fits_hardware(spec, ctx: Findings) -> None:
         )
 
 
+def a_gpu_per_process(spec, ctx: Findings) -> None:
+    """On GPU nodes each worker takes its own GPU (``cuda:<local rank>``): more workers than
+    GPUs fail on the node, after the instances are paid for."""
+    compute = spec.compute
+    gpus, source = compute.instance.gpus, f"compute.instance_type {compute.instance.name!r}"
+    if compute.target == "slurm" and spec.slurm.gpus_per_node is not None:
+        gpus, source = spec.slurm.gpus_per_node, "slurm.gpus_per_node"
+    processes = compute.resolved_processes_per_instance
+    if compute.instance.is_local or not gpus or processes <= gpus:
+        return
+    ctx.problems.append(
+        f"compute.processes_per_instance: {processes} workers per node, but {source} gives "
+        f"{gpus} GPU(s) per node and each worker needs its own; set processes_per_instance to "
+        f"{gpus} or fewer")
+
+
 def degrees_make_a_plan(spec, ctx: Findings) -> None:
     """The degrees must make a parallelism plan (the one function the planner and the runtime
     use too); ``auto`` is sized by the planner once the model is known."""
@@ -184,5 +200,6 @@ def environment_secrets(spec, ctx: Findings) -> None:
                 "resolved on the node")
 
 
-COMMON_RULES = (instance_fits_target, backend_fits_hardware, degrees_make_a_plan, spot_settings,
-                entry_point, channel_names, recipe_hyperparameters, environment_secrets)
+COMMON_RULES = (instance_fits_target, backend_fits_hardware, a_gpu_per_process,
+                degrees_make_a_plan, spot_settings, entry_point, channel_names,
+                recipe_hyperparameters, environment_secrets)

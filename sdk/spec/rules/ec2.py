@@ -17,6 +17,11 @@ USER_VALUES_BUDGET = 10 * 1024
 
 def ec2_settings(spec, ctx: Findings) -> None:
     ec2 = spec.ec2
+    if not ec2.instance_profile:
+        ctx.problems.append(
+            "ec2.instance_profile: needed; the nodes fetch dtrain and the job's code from S3 and "
+            "write status, logs and checkpoints there with its credentials (an instance profile "
+            "whose role may read and write the output_path bucket)")
     if ec2.capacity_block and not ec2.capacity_reservation_id:
         ctx.problems.append(
             "ec2.capacity_block: needs ec2.capacity_reservation_id (the capacity block's id)"
