@@ -33,6 +33,8 @@ USER_ERROR_CODES = {
     "ResourceNotFound": "check the job name (dtrain list)",
     "ExpiredTokenException": "refresh your AWS credentials",
     "ThrottlingException": "wait a minute and retry",
+    "NoCredentialsError": "configure AWS credentials (aws configure, AWS_PROFILE, or the "
+                          "instance's role)",
 }
 
 
@@ -54,8 +56,9 @@ def make_client(service: str, *, region: str | None = None) -> Any:
         with _CLIENT_LOCK:
             return boto3.client(service, region_name=region_of(region), config=config)
     except (BotoCoreError, ValueError) as exc:  # NoRegionError, ProfileNotFound, a bad endpoint
-        raise DtrainError(f"cannot create the AWS {service} client: {exc}; set sagemaker.region "
-                          "or AWS_REGION, and AWS credentials") from None
+        raise DtrainError(f"cannot create the AWS {service} client: {exc}; set the region "
+                          "(the spec's sagemaker.region or ec2.region, `dtrain ec2 gc --region`, "
+                          "or AWS_REGION) and AWS credentials") from None
 
 
 def error_code(exc: BaseException) -> str | None:

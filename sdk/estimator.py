@@ -28,7 +28,8 @@ class Estimator:
                  output_path: str | None = None, environment: dict[str, str] | None = None,
                  max_run: int | str | None = None, max_restarts: int | None = None,
                  use_spot_instances: bool = False, checkpoint_s3_uri: str | None = None,
-                 role: str | None = None, tags: dict[str, str] | None = None,
+                 role: str | None = None,
+                 tags: dict[str, str] | list[dict[str, str]] | None = None,
                  slurm: dict[str, Any] | None = None, clients: dict[str, Any] | None = None):
         compute: dict[str, Any] = {
             "target": target or ("local" if instance_type in LOCAL_INSTANCE_TYPES
@@ -43,7 +44,7 @@ class Estimator:
             "name": name or base_job_name, "entry_point": entry_point, "source_dir": source_dir,
             "hyperparameters": dict(hyperparameters or {}), "compute": compute,
             "distribution": dict(distribution or {}), "output_path": output_path,
-            "environment": dict(environment or {}), "tags": dict(tags or {}),
+            "environment": dict(environment or {}), "tags": tags or {},
         }
         if checkpoint_s3_uri:
             self.spec_data["checkpoint"] = {"uri": checkpoint_s3_uri}

@@ -107,7 +107,7 @@ class PyTorch:
                         "max_wait": self.max_wait},
             "inputs": _channels(inputs), "output_path": self.output_path,
             "checkpoint": {"uri": self.checkpoint_s3_uri}, "environment": self.environment,
-            "tags": {t["Key"]: t["Value"] for t in self.tags},
+            "tags": self.tags,
             "sagemaker": {k: v for k, v in sm.items() if v is not None},
         }
         if self.distribution:

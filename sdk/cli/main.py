@@ -77,12 +77,16 @@ def schema(path: str | None) -> None:
     """Print the JSON schema of a job spec (for editors and CI checks)."""
     import json
 
+    from dtrain.core.errors import DtrainError
     from dtrain.spec.model import JobSpec
 
     text = json.dumps(JobSpec.model_json_schema(), indent=2) + "\n"
     if path:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        try:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            raise DtrainError(f"cannot write {path}: {exc.strerror}") from None
     else:
         click.echo(text, nl=False)
 
@@ -155,6 +159,15 @@ def main(argv: list[str] | None = None) -> None:
             raise
         click.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except Exception as exc:
+        # an AWS error a command did not word itself (no credentials, a region without the
+        # service): still one line, with the fix where one is known
+        if debug or not type(exc).__module__.startswith("botocore"):
+            raise
+        from dtrain.launcher.aws import as_dtrain_error
+
+        click.echo(f"error: {as_dtrain_error(exc, 'an AWS call')}", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except click.exceptions.Exit as exc:

@@ -278,7 +278,9 @@ class JobSpec(_Model):
     environment: dict[str, str] = Field(
         default_factory=dict, description="Environment variables for every worker."
     )
-    tags: dict[str, str] = Field(default_factory=dict, description="Tags on cloud resources.")
+    tags: dict[str, str] = Field(
+        default_factory=dict, description="Tags on cloud resources: a mapping, or SageMaker's "
+        "list of {Key, Value}.")
     sagemaker: SageMakerOptions = Field(
         default_factory=SageMakerOptions, description="SageMaker-only settings."
     )
@@ -351,6 +353,19 @@ class JobSpec(_Model):
                 )
             if s3.is_s3_uri(uri):
                 s3.check(uri, f"inputs.{channel}")
+        return value
+
+    @field_validator("environment", "tags", mode="before")
+    @classmethod
+    def _numbers_as_text(cls, value: Any, info: ValidationInfo) -> Any:
+        """``OMP_NUM_THREADS: 4`` means "4"; SageMaker-style tags (``[{"Key": ..., "Value":
+        ...}]``, as the SageMaker SDK takes them) are read as a mapping."""
+        if info.field_name == "tags" and isinstance(value, list) and all(
+                isinstance(tag, dict) and set(tag) == {"Key", "Value"} for tag in value):
+            value = {tag["Key"]: tag["Value"] for tag in value}
+        if isinstance(value, dict):
+            return {key: str(item) if isinstance(item, (int, float)) and
+                    not isinstance(item, bool) else item for key, item in value.items()}
         return value
 
     @field_validator("environment")

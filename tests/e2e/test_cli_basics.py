@@ -53,6 +53,21 @@ def test_missing_file_and_bad_option_exit_2(tmp_path):
     assert dtrain("plan", "--no-such-option").returncode == 2
 
 
+def test_an_aws_call_without_credentials_and_an_unwritable_file_are_one_line(tmp_path,
+                                                                               monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    result = dtrain("ec2", "gc", "--dry-run", "--region", "us-east-1",
+                    env={"AWS_EC2_METADATA_DISABLED": "true"})  # no instance role either
+    assert result.returncode == 1 and result.stderr.splitlines() == [(
+        "error: an AWS call failed: NoCredentialsError: Unable to locate credentials; configure "
+        "AWS credentials (aws configure, AWS_PROFILE, or the instance's role)")]
+    result = dtrain("schema", "--file", str(tmp_path / "no-such-folder" / "schema.json"))
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"error: cannot write {tmp_path}/no-such-folder/schema.json: No such file or directory"]
+
+
 def test_plan_json_resolves_the_mesh(spec_file):
     result = dtrain("plan", str(spec_file), "-o", "json", "--set", "compute.target=ec2",
                     "--set", "compute.instance_type=p4d.24xlarge", "--set",

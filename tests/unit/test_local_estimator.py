@@ -26,6 +26,15 @@ def test_cloud_instance_types_default_to_sagemaker(tmp_path):
     assert spec.compute.target == "sagemaker"
 
 
+def test_sagemaker_style_tags_and_numbers_in_the_environment_are_read_as_meant(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    spec = Estimator(entry_point="train.py", source_dir=str(tmp_path),
+                     tags=[{"Key": "team", "Value": "ml"}, {"Key": "project", "Value": "x"}],
+                     environment={"OMP_NUM_THREADS": 4}).spec()
+    assert spec.tags == {"team": "ml", "project": "x"}  # not {"Key": "Value"}
+    assert spec.environment == {"OMP_NUM_THREADS": "4"}
+
+
 def test_client_side_job_modules_do_not_import_torch():
     code = ("import sys, dtrain.cli.main, dtrain.jobs.api, dtrain.estimator, dtrain.launcher.local.launcher, "
             "dtrain.launcher.local.monitor; sys.exit('torch' in sys.modules)")

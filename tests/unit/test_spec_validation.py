@@ -418,3 +418,12 @@ def test_a_recipe_refuses_local_data_it_cannot_train_on_naming_the_channel(tmp_p
     msg = problems({**RECIPE, "inputs": {"corpus": str(garbage)},
                     "hyperparameters": {"data": "corpus"}})
     assert f"inputs.corpus: {garbage / 'notes.txt'} is binary, not text" in msg
+
+
+def test_environment_values_are_text_and_a_boolean_must_be_quoted():
+    spec = JobSpec.from_dict({**RECIPE, "environment": {"OMP_NUM_THREADS": 4, "EPS": 1e-5},
+                              "tags": {"cost-center": 42}})
+    assert spec.environment == {"OMP_NUM_THREADS": "4", "EPS": "1e-05"}
+    assert spec.tags == {"cost-center": "42"}
+    assert "give a string (quote it in YAML)" in problems({**RECIPE,
+                                                          "environment": {"DEBUG": True}})
