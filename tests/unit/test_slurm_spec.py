@@ -85,6 +85,9 @@ def test_cpu_nodes_are_local_but_not_local_gpu():
 @pytest.mark.parametrize(("line", "fix"), [
     ("--time=1:00:00", "is set by dtrain from compute.max_run; set that instead"),
     ("-N 4", "is set by dtrain from compute.instance_count; set that instead"),
+    ("-N4", "is set by dtrain from compute.instance_count; set that instead"),
+    ("-t10", "is set by dtrain from compute.max_run; set that instead"),
+    ("-pdebug", "is set by dtrain from slurm.partition; set that instead"),
     ("--output=/tmp/x", "is set by dtrain: a job's output goes to slurm.shared_dir/<job id>/"),
     ("#SBATCH --mail-type=END", "starts with '#'; give the option alone"),
     ("--array=1-4", "asks for a job array; dtrain submits one job per spec"),

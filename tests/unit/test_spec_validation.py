@@ -427,3 +427,22 @@ def test_environment_values_are_text_and_a_boolean_must_be_quoted():
     assert spec.tags == {"cost-center": "42"}
     assert "give a string (quote it in YAML)" in problems({**RECIPE,
                                                           "environment": {"DEBUG": True}})
+
+
+@pytest.mark.parametrize(("settings", "environment", "fragment"), [
+    ({"py_version": "py39"}, {},
+     "sagemaker.py_version: 'py39', but the AWS image of torch 2.10 has py313"),
+    ({"input_mode": "Pipe"}, {},
+     "sagemaker.input_mode: Pipe streams each channel through a FIFO, but recipe:causal_lm"),
+    ({"enable_network_isolation": True}, {"HF_TOKEN": "secretsmanager:prod/hf"},
+     "sagemaker.enable_network_isolation: the node resolves environment HF_TOKEN from Secrets"),
+])
+def test_sagemaker_settings_the_job_cannot_run_with_are_refused_before_it_is_paid_for(
+        settings, environment, fragment):
+    data = sagemaker()
+    data["sagemaker"] = {**data["sagemaker"], **settings}
+    assert fragment in problems({**data, "environment": environment})
+    ok = sagemaker()  # the same settings where they work
+    ok["sagemaker"] = {**ok["sagemaker"], "py_version": "py313", "input_mode": "FastFile",
+                       "enable_network_isolation": True}
+    assert JobSpec.from_dict({**ok, "environment": {"HF_HOME": "/tmp/hf"}})

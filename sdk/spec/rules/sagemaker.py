@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
-from dtrain.core import aws, aws_images, instances, torch_support
+from dtrain.core import aws, aws_images, instances, secrets, torch_support
 from dtrain.spec.rules.common import Findings, cloud_paths
 
 MAX_HYPERPARAMETER_CHARS = 2500  # SageMaker's limit on one hyperparameter value
@@ -44,6 +44,29 @@ def sagemaker_settings(spec, ctx: Findings) -> None:
             "sagemaker.keep_alive_period: warm pools do not work with managed spot training; "
             "remove it or set compute.use_spot: false"
         )
+
+
+def settings_the_job_can_run_with(spec, ctx: Findings) -> None:
+    """Settings SageMaker accepts that the job itself cannot work with, found before it is
+    paid for."""
+    sm = spec.sagemaker
+    if sm.enable_network_isolation:
+        refs = [name for name, value in spec.environment.items() if secrets.reference(value)]
+        if refs:
+            ctx.problems.append(
+                f"sagemaker.enable_network_isolation: the node resolves environment "
+                f"{', '.join(refs)} from Secrets Manager / SSM, which network isolation blocks; "
+                "give the values another way, or turn isolation off")
+    if sm.input_mode == "Pipe" and spec.is_recipe:
+        ctx.problems.append(
+            f"sagemaker.input_mode: Pipe streams each channel through a FIFO, but "
+            f"{spec.entry_point} reads its data as files; use File or FastFile")
+    image = aws_images.IMAGES.get(aws_images.short_version(sm.framework_version) or "")
+    if sm.py_version and not sm.image_uri and image and sm.py_version != image[0]:
+        ctx.problems.append(
+            f"sagemaker.py_version: {sm.py_version!r}, but the AWS image of torch "
+            f"{sm.framework_version} has {image[0]}; remove py_version, or set "
+            "sagemaker.image_uri")
 
 
 def hyperparameters_fit(spec, ctx: Findings) -> None:
@@ -108,5 +131,5 @@ def image_torch(ctx: Findings, field: str, image_uri: str) -> None:
                             f"{torch_support.supported_range()}")
 
 
-RULES = (offered_on_sagemaker, sagemaker_settings, hyperparameters_fit, image_runs_the_runtime,
-         cloud_paths)
+RULES = (offered_on_sagemaker, sagemaker_settings, settings_the_job_can_run_with,
+         hyperparameters_fit, image_runs_the_runtime, cloud_paths)

@@ -17,7 +17,7 @@ from dtrain.spec.rules.local import no_spot
 from dtrain.spec.rules.sagemaker import image_torch
 
 _SLURM_NAMES = re.compile(r"^[A-Za-z0-9_.\-]+(,[A-Za-z0-9_.\-]+)*$")
-_OPTION_NAME = re.compile(r"^(--?[A-Za-z][A-Za-z0-9\-]*)")
+_OPTION_NAME = re.compile(r"^(--[A-Za-z][A-Za-z0-9\-]*|-[A-Za-z])")  # -N4: "-N"
 # The spec field behind each sbatch option dtrain writes itself.
 SET_BY_DTRAIN = {
     "compute.instance_count": ("--nodes", "-N", "--ntasks", "-n"),
