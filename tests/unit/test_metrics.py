@@ -118,10 +118,15 @@ def test_tensor_parallel_ranks_share_one_replica_s_tokens_and_flops_are_counted_
 
 
 def test_warmup_then_cosine_to_the_floor():
-    s = WarmupCosine(1.0, 110, warmup_steps=10, min_lr_ratio=0.1)
+    s = WarmupCosine(1.0, 112, warmup_steps=10, min_lr_ratio=0.1)
     assert s.lr_at(0) == pytest.approx(0.1) and s.lr_at(9) == pytest.approx(1.0)
-    assert s.lr_at(60) == pytest.approx(0.55)
-    assert s.lr_at(110) == pytest.approx(0.1) and s.lr_at(500) == pytest.approx(0.1)
+    assert s.lr_at(10) < 1.0  # the peak once, not twice
+    assert s.lr_at(60) == pytest.approx(0.55)  # half way from step 9 to step 111
+    # the last update (step 111 of 112) is the one at the floor, not one never trained
+    assert s.lr_at(111) == pytest.approx(0.1) and s.lr_at(110) > 0.1
+    assert s.lr_at(500) == pytest.approx(0.1)
+    flat = WarmupCosine(1.0, 5, min_lr_ratio=0.0)  # no warm-up: the peak first, 0 last
+    assert [round(flat.lr_at(i), 3) for i in range(5)] == [1.0, 0.854, 0.5, 0.146, 0.0]
     with pytest.raises(ValueError, match="warmup_steps"):
         WarmupCosine(1.0, 5, warmup_steps=6)
 

@@ -29,11 +29,13 @@ class WarmupCosine:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of update number ``step`` (0-based)."""
+        """The learning rate of update number ``step`` (0-based): the peak once, at the last
+        warm-up update (the first update without warm-up), ``min_lr_ratio × lr`` at the last
+        update, ``total_steps - 1``."""
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        peak = max(0, self.warmup_steps - 1)
+        progress = min(1.0, (step - peak) / max(1, self.total_steps - 1 - peak))
         cosine = 0.5 * (1 + math.cos(math.pi * progress))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 
