@@ -28,9 +28,18 @@ class Estimator:
                  output_path: str | None = None, environment: dict[str, str] | None = None,
                  max_run: int | str | None = None, max_restarts: int | None = None,
                  use_spot_instances: bool = False, checkpoint_s3_uri: str | None = None,
+                 max_wait: int | str | None = None, volume_size: int | None = None,
                  role: str | None = None,
                  tags: dict[str, str] | list[dict[str, str]] | None = None,
+                 sagemaker: dict[str, Any] | None = None, ec2: dict[str, Any] | None = None,
                  slurm: dict[str, Any] | None = None, clients: dict[str, Any] | None = None):
+        """The job spec's fields as keyword arguments (SageMaker SDK names where it has one:
+        ``use_spot_instances``, ``volume_size``, ``checkpoint_s3_uri``, ``role``); ``sagemaker``,
+        ``ec2`` and ``slurm`` are the spec's sections of those names (``role`` goes into
+        ``sagemaker``). ``base_job_name`` is made a valid name (``my_job`` -> ``my-job``), as
+        the SageMaker SDK does; ``name`` is taken as given."""
+        from dtrain.core import names
+
         compute: dict[str, Any] = {
             "target": target or ("local" if instance_type in LOCAL_INSTANCE_TYPES
                                  else "sagemaker"),
@@ -38,20 +47,21 @@ class Estimator:
             "use_spot": use_spot_instances,
         }
         optional = {"processes_per_instance": processes_per_instance, "max_run": max_run,
-                    "max_restarts": max_restarts}
+                    "max_restarts": max_restarts, "max_wait": max_wait,
+                    "volume_size_gb": volume_size}
         compute.update({k: v for k, v in optional.items() if v is not None})
         self.spec_data: dict[str, Any] = {
-            "name": name or base_job_name, "entry_point": entry_point, "source_dir": source_dir,
+            "name": name or (names.sanitize(base_job_name) if base_job_name else None),
+            "entry_point": entry_point, "source_dir": source_dir,
             "hyperparameters": dict(hyperparameters or {}), "compute": compute,
             "distribution": dict(distribution or {}), "output_path": output_path,
             "environment": dict(environment or {}), "tags": tags or {},
         }
         if checkpoint_s3_uri:
             self.spec_data["checkpoint"] = {"uri": checkpoint_s3_uri}
-        if role:
-            self.spec_data["sagemaker"] = {"role": role}
-        if slurm:  # the spec's slurm section, for target="slurm"
-            self.spec_data["slurm"] = dict(slurm)
+        sections = {"sagemaker": {**(sagemaker or {}), **({"role": role} if role else {})},
+                    "ec2": dict(ec2 or {}), "slurm": dict(slurm or {})}
+        self.spec_data.update({key: value for key, value in sections.items() if value})
         self.clients = clients
         self.latest_job: JobRecord | None = None
 

@@ -118,7 +118,9 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         if not req.needs_confirmation(cost) or self.assume_yes:
             return
         limit = cost["confirm_above_usd"]
-        if self.confirm is not None and self.confirm(f"{line}; above ${limit:,.2f}. Launch?"):
+        # the cost line is just above: the question does not repeat it
+        if self.confirm is not None and self.confirm(
+                f"that is above ec2.confirm_above_usd (${limit:,.2f}). Launch?"):
             return
         raise DtrainError(f"not launched: {line} is above ec2.confirm_above_usd=${limit:,.2f}; "
                           "pass --yes, raise ec2.confirm_above_usd, or lower compute.max_run")

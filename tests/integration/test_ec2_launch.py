@@ -305,7 +305,8 @@ def test_cost_above_threshold_is_refused_without_yes_and_nothing_is_created(aws)
     target = ec2_target(aws, confirm=lambda q: asked.append(q) or False)
     with pytest.raises(DtrainError):
         target.submit()
-    assert "up to $786.54" in asked[0]
+    assert asked == ["that is above ec2.confirm_above_usd ($100.00). Launch?"]
+    assert target.out.getvalue().count("up to $786.54") == 1  # the cost line, once
     refused = target.store.find(JOB)  # the record says why; nothing of it is left to remove
     assert refused.status == "Failed" and refused.failure_reason.startswith("not launched: ")
     assert target.launcher.pending_cleanup(target.handle(refused)) is None

@@ -35,6 +35,23 @@ def test_sagemaker_style_tags_and_numbers_in_the_environment_are_read_as_meant(t
     assert spec.environment == {"OMP_NUM_THREADS": "4"}
 
 
+def test_every_target_s_settings_can_be_given_from_python(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    common = {"entry_point": "train.py", "source_dir": str(tmp_path),
+              "instance_type": "p4d.24xlarge", "output_path": "s3://my-bucket/out"}
+    ec2 = Estimator(**common, target="ec2", base_job_name="my_job", volume_size=500,
+                    ec2={"instance_profile": "dtrain-node", "subnet_id": "subnet-0abc",
+                         "region": "us-west-2"}).spec()
+    assert (ec2.name, ec2.compute.volume_size_gb, ec2.ec2.subnet_id) == \
+        ("my-job", 500, "subnet-0abc")
+    sagemaker = Estimator(**common, role="arn:aws:iam::123456789012:role/r",
+                          use_spot_instances=True, max_run="2h", max_wait="3h",
+                          sagemaker={"region": "us-west-2", "keep_alive_period": 0}).spec()
+    assert sagemaker.sagemaker.role.endswith(":role/r") and sagemaker.sagemaker.region == \
+        "us-west-2"
+    assert (sagemaker.compute.max_run, sagemaker.compute.max_wait) == (7200, 10800)
+
+
 def test_client_side_job_modules_do_not_import_torch():
     code = ("import sys, dtrain.cli.main, dtrain.jobs.api, dtrain.estimator, dtrain.launcher.local.launcher, "
             "dtrain.launcher.local.monitor; sys.exit('torch' in sys.modules)")
