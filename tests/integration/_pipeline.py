@@ -4,7 +4,9 @@ Each worker trains the model split by the runtime (pipeline stages, with MiCS an
 parallelism when the distribution asks) and, beside it, the same model (same seed) whole in one
 process on the same global batch, with SGD. It reports the losses, the clipped gradient norms,
 the largest parameter difference, whether the parameter names are the whole model's, the export
-gathered from every stage, and one step's communication statistics.
+gathered from every stage, and one step's communication statistics. With ``meta`` the split model
+is built on the meta device and each stage initialised by the runtime: it must start as the
+whole model does.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def run_parity(rt, distribution: dict, *, accumulation: int = 1, **shard_options) -> dict:
+def run_parity(rt, distribution: dict, *, accumulation: int = 1, meta: bool = False,
+               **shard_options) -> dict:
     from dtrain.runtime import torch_private
     from dtrain.runtime.models import from_preset
     from dtrain.runtime.train.optim import clip_and_unscale_
@@ -34,8 +37,10 @@ def run_parity(rt, distribution: dict, *, accumulation: int = 1, **shard_options
 
     ctx = rt.init(distribution=distribution)
     torch.manual_seed(0)
-    model = from_preset(PRESET, attention="sdpa", num_hidden_layers=LAYERS)
-    ref = copy.deepcopy(model)
+    ref = from_preset(PRESET, attention="sdpa", num_hidden_layers=LAYERS)
+    torch.manual_seed(0)
+    model = (from_preset(PRESET, attention="sdpa", num_hidden_layers=LAYERS, device="meta")
+             if meta else copy.deepcopy(ref))
     piped = rt.shard(model, ctx, **shard_options)
     opt = torch.optim.SGD(piped.parameters(), lr=0.5, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)

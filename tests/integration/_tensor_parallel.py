@@ -2,7 +2,9 @@
 
 A parity run trains a model split by the runtime and the same model (same seed) in one process
 on the same global batch, side by side in each worker, and reports losses, clipped gradient
-norms, the largest parameter difference and one step's communication statistics.
+norms, the largest parameter difference and one step's communication statistics. The split model
+is either a copy of the whole one or (``meta``) built on the meta device and initialised by the
+runtime after splitting, the path recipes take for large models: it must start as the whole.
 """
 
 from __future__ import annotations
@@ -47,21 +49,23 @@ def optimizers(model, ref, kind: str):
             torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9))
 
 
-def build(rt, preset: str, distribution: dict):
+def build(rt, preset: str, distribution: dict, *, meta: bool = False):
     from dtrain.runtime.models import from_preset
 
     ctx = rt.init(distribution=distribution)
     torch.manual_seed(0)
-    model = from_preset(preset)  # the default kernel: flash attention, per shard
-    ref = copy.deepcopy(model)
+    ref = from_preset(preset)  # the default kernel: flash attention, per shard
+    torch.manual_seed(0)
+    model = from_preset(preset, device="meta") if meta else copy.deepcopy(ref)
     rt.shard(model, ctx)
     return ctx, model, ref
 
 
-def run_parity(rt, preset: str, distribution: dict, optimizer: str) -> tuple[dict, object]:
+def run_parity(rt, preset: str, distribution: dict, optimizer: str, *,
+               meta: bool = False) -> tuple[dict, object]:
     from dtrain.runtime.train.optim import clip_and_unscale_
 
-    ctx, model, ref = build(rt, preset, distribution)
+    ctx, model, ref = build(rt, preset, distribution, meta=meta)
     opt, ref_opt = optimizers(model, ref, optimizer)
     data = torch.Generator().manual_seed(1)
     out = {"losses": [], "ref_losses": [], "grad_norms": [], "ref_grad_norms": []}

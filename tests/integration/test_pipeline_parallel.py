@@ -32,6 +32,10 @@ FOUR_RANKS = {s: ({"pipeline_parallel_degree": 2, "sharding_degree": 2, "pipelin
 FOUR_RANKS["1f1b"][1]["accumulation"] = 2
 FOUR_RANKS["1f1b-reshard"] = ({"pipeline_parallel_degree": 2, "sharding_degree": 2,
                                "pipeline_schedule": "1f1b"}, {"reshard_after_forward": True})
+# Built on the meta device and initialised per stage (two stages a rank: 4 in all).
+TWO_RANKS["interleaved-1f1b"][1]["meta"] = True
+TWO_RANKS["zbv"][1]["meta"] = True
+FOUR_RANKS["interleaved-1f1b"][1]["meta"] = True
 # pp 2 × 2 replicas (plain data parallel inside each stage)
 for s in ("gpipe", "interleaved-zero-bubble"):
     FOUR_RANKS[f"{s}-replicate"] = ({"pipeline_parallel_degree": 2, "sharding_degree": 1,

@@ -27,7 +27,9 @@ GRID = {"pipeline_parallel_degree": 2, "sharding_degree": 1, "tensor_parallel_de
 def _worker(rank: int, port: int, result_dir: str) -> None:
     def body(rt, results: dict) -> None:
         for schedule in SCHEDULES:
-            results[schedule] = run_parity(rt, {**LAYOUT, "pipeline_schedule": schedule})
+            # interleaved: built on the meta device, four stages initialised on their ranks
+            results[schedule] = run_parity(rt, {**LAYOUT, "pipeline_schedule": schedule},
+                                           meta=schedule.startswith("interleaved"))
         results["2d"] = run_parity(rt, GRID)
 
     run_worker(rank, port, result_dir, world=WORLD, per_host=PER_HOST, body=body)

@@ -10,12 +10,14 @@ under the whole model's parameter names, and the final Hugging Face export gathe
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import _workers as w
 import pytest
 import torch
+from dtrain.core.checkpoint_layout import COMPLETE
 from dtrain.runtime.train.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -60,6 +62,10 @@ def test_a_killed_pipelined_run_resumes_to_the_same_parameters(runs):
     actual = w.final_weights(runs["root"] / "killed")
     assert expected.keys() == actual.keys()
     assert "gpt_neox.embed_in.weight" in actual and "lm_head.weight" in actual  # both stages
+    # the checkpoint names the family's parameter layout, not the pipeline's class
+    record = json.loads((latest_checkpoint(runs["root"] / "killed" / "ckpt") / COMPLETE)
+                        .read_text())
+    assert record["state_layout"] == {"model": "gpt_neox", "version": 1}
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6, msg=key)
 

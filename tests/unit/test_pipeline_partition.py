@@ -42,6 +42,14 @@ def test_stages_hold_consecutive_units_under_the_whole_model_s_names():
     torch.testing.assert_close(second(first(ids)), model(ids), atol=0, rtol=0)
 
 
+def test_a_stage_records_its_family_s_parameter_layout_in_checkpoints():
+    from dtrain.runtime.train.checkpoint import state_layout
+
+    model = from_preset("gpt2-tiny", device="meta", tie_word_embeddings=False)
+    stage = StageModule(model, model_units(model)[:2])
+    assert state_layout(stage) == state_layout(model) == {"model": "gpt2", "version": 2}
+
+
 @pytest.mark.parametrize("preset", ["gpt-neox-tiny", "gpt2-tiny"])
 def test_the_measuring_pass_counts_what_the_planner_predicts(preset):
     model = from_preset(preset, device="meta")

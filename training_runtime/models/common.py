@@ -4,6 +4,7 @@ base class that gives each model deterministic initialisation, weight tying and 
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -240,6 +241,9 @@ class HFCompatibleModel(nn.Module):
         self.hf_config = dict(hf_config)
         self.initializer_range = float(hf_config.get("initializer_range") or 0.02)
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
+        # Read, not drawn, from the torch RNG: a model built only for its layout (meta) leaves
+        # the RNG as it was; init_weights() draws once, so the next model differs.
+        self.init_seed = _seed_of(torch.random.get_rng_state().numpy().tobytes())
 
     def tie_weights(self) -> None:
         """Share tied parameters; also re-ties after ``to_empty``, which breaks sharing."""
@@ -254,20 +258,20 @@ class HFCompatibleModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter from the torch RNG, in module order (deterministic).
+        """(Re)initialise every parameter, each from its own seed: ``init_seed`` (fixed when
+        the model was built) and the parameter's name.
 
         Linear/Embedding weights ~ N(0, initializer_range), biases 0, LayerNorm 1/0, padding
-        embedding rows 0, any other parameter 0. Works after ``to_empty`` from the meta device.
+        embedding rows 0, any other parameter 0. Works after ``to_empty`` from the meta device,
+        also when parameters are already split (DTensors of tensor parallelism, MiCS shards or
+        pipeline stages): each rank draws the whole tensor from its seed and keeps its slice,
+        so a split model starts exactly as the whole one (on the same device type); a random
+        op on a DTensor would instead draw the same values on every rank where DTensor has no
+        RNG tracker (CPU). Draws once from the torch RNG, so the next model built differs.
         """
         self.tie_weights()
-        std = self.initializer_range
-        done: set[int] = set()
-        for module in self.modules():
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) in done:
-                    continue
-                done.add(id(param))
-                _init_parameter(module, name, param, std=std)
+        init_parameters(self, seed=self.init_seed, std=self.initializer_range)
+        torch.randint(2, (), device="cpu")
 
     def hf_config_dict(self) -> dict[str, Any]:
         """The ``config.json`` content: the given config, with the fields the family normalised
@@ -287,13 +291,51 @@ class HFCompatibleModel(nn.Module):
         return dict(state_dict)
 
 
-def _init_parameter(module: nn.Module, name: str, param: nn.Parameter, *, std: float) -> None:
+# The segment torch's activation-checkpoint wrapper adds to a parameter's name.
+_CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def _seed_of(*parts: bytes | str | int) -> int:
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else str(part).encode() + b"\0")
+    return int.from_bytes(digest.digest(), "little") >> 1  # a non-negative int64
+
+
+def init_parameters(root: nn.Module, *, seed: int, std: float) -> None:
+    """Initialise ``root``'s parameters (see :meth:`HFCompatibleModel.init_weights`), each from
+    ``seed`` and its name in the unwrapped model; a tied parameter once."""
+    done: set[int] = set()
+    for module_name, module in root.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in done:
+                continue
+            done.add(id(param))
+            path = f"{module_name}.{name}" if module_name else name
+            _init_parameter(module, name, param, std=std,
+                            seed=_seed_of(seed, path.replace(_CHECKPOINT_WRAPPED, "")))
+
+
+def _init_parameter(module: nn.Module, name: str, param: nn.Parameter, *, std: float,
+                    seed: int) -> None:
     if isinstance(module, nn.LayerNorm):
         param.fill_(1.0 if name == "weight" else 0.0)
     elif isinstance(module, (nn.Linear, nn.Embedding)) and name == "weight":
-        param.normal_(mean=0.0, std=std)
+        generator = torch.Generator(device=param.device).manual_seed(seed)
+        whole = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+        whole.normal_(mean=0.0, std=std, generator=generator)
         padding_idx = getattr(module, "padding_idx", None)
         if padding_idx is not None:
-            param[padding_idx].zero_()
+            whole[padding_idx].zero_()
+        param.copy_(_this_ranks_part(whole, like=param))
     else:
         param.zero_()
+
+
+def _this_ranks_part(whole: torch.Tensor, *, like: torch.Tensor) -> torch.Tensor:
+    """``whole`` split as the DTensor ``like`` is (no communication), or ``whole`` itself."""
+    if not hasattr(like, "device_mesh"):
+        return whole
+    from torch.distributed.tensor import distribute_tensor  # only a split model gets here
+
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)

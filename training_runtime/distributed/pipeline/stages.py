@@ -74,6 +74,9 @@ class PipelineModel(nn.Module):
         self.schedule_name, self.microbatches, self.pipeline_group = schedule, microbatches, group
         self.num_model_parameters = num_model_parameters
         self._hf_config = hf_config
+        # what a checkpoint records as the parameters' layout: the family's, not this class's
+        self.model_type = stage_modules[0].model_type
+        self.state_layout = stage_modules[0].state_layout
         self._criterion: Criterion | None = None
         self._loss_scale = 1.0
         self._losses: list[torch.Tensor] = []

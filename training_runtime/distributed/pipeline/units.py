@@ -141,8 +141,10 @@ class StageModule(nn.Module):
         for unit in units:
             for path in unit.paths:
                 graft(self, path, model.get_submodule(path))
-        self.model_type = model.model_type
+        # checkpoints record the family's parameter layout (train.checkpoint.state_layout)
+        self.model_type, self.state_layout = model.model_type, getattr(model, "state_layout", 1)
         self.initializer_range = getattr(model, "initializer_range", 0.02)
+        self.init_seed = model.init_seed  # each parameter's values are the whole model's
         self._hf_config = model.hf_config_dict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,5 +159,6 @@ class StageModule(nn.Module):
         """Nothing is tied inside a stage (:func:`check_untied`)."""
 
     def init_weights(self) -> None:
-        """The whole model's initialisation, on this stage's modules (a model built on meta)."""
+        """The whole model's initialisation, on this stage's modules (a model built on meta):
+        each parameter gets the values it has in the whole model, whichever stage holds it."""
         HFCompatibleModel.init_weights(self)
