@@ -66,7 +66,10 @@ class Ec2Options(_Model):
     ami: str = Field(
         "auto", description="AMI id, or `auto` for the AWS Deep Learning AMI (PyTorch) via SSM."
     )
-    subnet_id: str | None = Field(None, description="Subnet for every node (one AZ).")
+    subnet_id: str | None = Field(
+        None, description="Subnet for every node (one AZ). Needed for instance types with several "
+        "EFA cards (p4d, p5): those nodes get no public IP, so the subnet must reach S3 through a "
+        "NAT gateway or an S3 gateway endpoint. Unset: the default VPC's first default subnet.")
     key_name: str | None = Field(None, description="EC2 key pair for SSH, if any.")
     ssh_cidr: str | None = Field(
         None, description="CIDR allowed to SSH in; default: no SSH rule at all. A range wider "

@@ -28,7 +28,8 @@ JOB = "pythia-1b-ec2-20250101-000000"
 IDENTITY = JobIdentity(id="0123456789ab", name=JOB, submitted_at=1735689600.0)
 P5_OVERRIDES = [
     "compute.instance_type=p5.48xlarge", "compute.instance_count=2",
-    "ec2.ami=ami-0123456789abcdef0", "ec2.subnet_id=null", "ec2.ssh_cidr=203.0.113.7/32",
+    "ec2.ami=ami-0123456789abcdef0", "ec2.subnet_id=subnet-0f1e2d3c4b5a69788",
+    "ec2.ssh_cidr=203.0.113.7/32",
     "ec2.instance_profile=arn:aws:iam::111122223333:instance-profile/dtrain-node",
     "ec2.capacity_reservation_id=cr-0123456789abcdef0", "ec2.capacity_block=true",
     "ec2.placement_group=my-cluster-pg", "ec2.key_name=ops",
@@ -166,6 +167,21 @@ def test_spot_uses_one_time_spot_market_options():
     assert node["InstanceMarketOptions"]["MarketType"] == "spot"
     assert node["InstanceMarketOptions"]["SpotOptions"]["InstanceInterruptionBehavior"] == \
         "terminate"
+
+
+@pytest.mark.parametrize("instance_type", ["p4d.24xlarge", "p5.48xlarge", "g6e.48xlarge"])
+def test_a_node_of_several_network_interfaces_needs_a_subnet(instance_type):
+    # several interfaces: no public IP, so the default subnet would leave the node without S3
+    with pytest.raises(SpecError, match=r"ec2.subnet_id: needed .* no public IP .* NAT"):
+        JobSpec.from_file(EXAMPLE, overrides=[f"compute.instance_type={instance_type}",
+                                              "ec2.subnet_id=null"])
+
+
+def test_a_node_of_one_interface_may_use_the_default_subnet():
+    payload = build(["compute.instance_type=g5.48xlarge", "ec2.subnet_id=null"])
+    assert payload["lookups"]["subnet_id"] == {
+        "default_subnet": "first default subnet of the default VPC"}
+    assert len(payload["run_instances"][0]["NetworkInterfaces"]) == 1
 
 
 def test_spot_with_capacity_block_is_refused_by_validation_with_the_fix():

@@ -51,6 +51,7 @@ def specs(draw) -> dict:
         "ec2": {"capacity_block": draw(sometimes(True, otherwise=False)),
                 "capacity_reservation_id": draw(sometimes("cr-0123", otherwise=None)),
                 "ssh_cidr": draw(st.sampled_from([None, "203.0.113.7/32"])),
+                "subnet_id": draw(sometimes(None, otherwise="subnet-0123")),
                 "instance_profile": draw(sometimes(None, otherwise="dtrain-node")),
                 "image_uri": draw(sometimes(*IMAGES[1:], otherwise=None))},
         "slurm": {"shared_dir": draw(sometimes(None, "/fsx/my jobs", otherwise="/fsx/dtrain")),
@@ -93,7 +94,7 @@ def test_a_plain_spec_of_every_target_is_accepted_and_dry_runs(target):
             "compute": {"target": target,
                         "instance_type": "local" if target == "local" else "p4d.24xlarge"},
             "sagemaker": {"role": ROLE}, "slurm": {"shared_dir": "/fsx/dtrain"},
-            "ec2": {"instance_profile": "dtrain-node"}}
+            "ec2": {"instance_profile": "dtrain-node", "subnet_id": "subnet-0123"}}
     if target in ("sagemaker", "ec2"):
         data["output_path"] = "s3://out-bkt/d"
     assert jobs.submit(accepted(data), dry_run=True).target == target
@@ -102,7 +103,10 @@ def test_a_plain_spec_of_every_target_is_accepted_and_dry_runs(target):
 @pytest.mark.parametrize("extra", [
     {"compute": {"target": "ec2", "instance_type": "p4d.24xlarge", "use_spot": True},
      "ec2": {"capacity_reservation_id": "cr-0123", "capacity_block": True,
-             "instance_profile": "dtrain-node"}},
+             "instance_profile": "dtrain-node", "subnet_id": "subnet-0123"}},
+    {"compute": {"target": "ec2", "instance_type": "p4d.24xlarge", "use_spot": True},
+     "ec2": {"capacity_reservation_id": "cr-0123", "instance_profile": "dtrain-node",
+             "subnet_id": "subnet-0123"}},
     {"compute": {"target": "sagemaker", "instance_type": "ml.p4d.24xlarge", "use_spot": True},
      "sagemaker": {"role": ROLE, "keep_alive_period": 300}},
 ])

@@ -26,11 +26,19 @@ def ec2_settings(spec, ctx: Findings) -> None:
         ctx.problems.append(
             "ec2.capacity_block: needs ec2.capacity_reservation_id (the capacity block's id)"
         )
-    if ec2.capacity_block and spec.compute.use_spot:
+    if ec2.capacity_reservation_id and spec.compute.use_spot:
+        kind = "capacity block" if ec2.capacity_block else "capacity reservation"
         ctx.problems.append(
-            "compute.use_spot: a capacity block is already reserved capacity; set use_spot: "
-            "false or drop ec2.capacity_block"
+            f"compute.use_spot: spot instances cannot run in a {kind} (it is reserved "
+            "on-demand capacity, already paid for); set use_spot: false or drop "
+            "ec2.capacity_reservation_id"
         )
+    if spec.compute.instance.efa_interfaces > 1 and not ec2.subnet_id:
+        ctx.problems.append(
+            f"ec2.subnet_id: needed for {spec.compute.instance.name}; a node with "
+            f"{spec.compute.instance.efa_interfaces} network interfaces (one per EFA card) gets "
+            "no public IP address, so in the default subnet it cannot reach S3; give a subnet "
+            "with a NAT gateway or an S3 gateway endpoint, in the zone that has the capacity")
     if not spec.compute.instance.is_local and not spec.compute.instance.on_ec2:
         ctx.problems.append(
             f"compute.instance_type: {spec.compute.instance.name!r} has no EC2 offering; pick "
