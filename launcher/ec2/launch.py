@@ -40,6 +40,7 @@ class Launch:
         self.region, self.ec2, self.s3, self.ssm, self.out = region, ec2, s3, ssm, out
         self.now = now
         self.created = res.Created(job=request.job.name)
+        self.run_instances_sent = False  # a node may exist that ``created`` does not list
 
     def run(self, *, sleep: Callable[[float], None]) -> Handle:
         payload = self.request.payload
@@ -60,7 +61,12 @@ class Launch:
                                  uploaded=self.created.uploads)
             facts = self._launch(placeholders.fill(payload, values), values)
         except BaseException as exc:  # noqa: BLE001 - Ctrl-C mid-launch must not leak nodes
-            left = res.rollback(self.ec2, self.s3, self.created, sleep=sleep)
+            # a Ctrl-C inside RunInstances can come after EC2 made the node: list them by tag
+            launched = self.created.instances or self.run_instances_sent
+            relist = (lambda: res.job_instance_ids(self.ec2, self.request.job.name,
+                                                   launch=values["launch_token"])) \
+                if launched else None
+            left = res.rollback(self.ec2, self.s3, self.created, sleep=sleep, relist=relist)
             error = self._error(exc, left)
             status = STOPPED if self.journal.current().status == STOPPING else FAILED
             self.journal.record(Update(
@@ -106,6 +112,7 @@ class Launch:
             self._check_not_stopped()
             node = placeholders.fill(node, {"security_group_id": group_id})
             self.out.write(f"launching node {rank + 1}/{len(nodes)} ({node['InstanceType']})\n")
+            self.run_instances_sent = True
             created.instances.append(ec2.run_instances(**node)["Instances"][0]["InstanceId"])
         self._check_not_stopped()
         return {"instance_ids": list(created.instances), "subnet_id": values["subnet_id"],

@@ -125,13 +125,18 @@ def rollback(ec2: Any, s3: Any, created: Created, *, sleep: Callable[[float], No
     """Remove everything in ``created``; returns what could not be removed (for the message).
 
     ``relist`` (the launch's nodes not terminated, listed again) is for a stop that races a
-    launch still under way: a node whose RunInstances landed after ``created`` was listed is
-    terminated too, before the groups it would hold. Such nodes are added to ``created``.
+    launch still under way, and for a launch cut off inside RunInstances: a node whose
+    RunInstances landed after ``created`` was listed is terminated too, before the groups it
+    would hold. Such nodes are added to ``created``. A list that fails is reported as left.
     """
     left = _terminate_and_wait(ec2, created.instances)
     seen = set(created.instances)
     while relist is not None:  # the launcher checks the record before each node: few rounds
-        late = [i for i in relist() if i not in seen]
+        try:
+            late = [i for i in relist() if i not in seen]
+        except Exception:  # noqa: BLE001 - the caller reports what is left
+            left.append(f"any node of {created.job} not listed (DescribeInstances failed)")
+            break
         if not late:
             break
         seen.update(late)

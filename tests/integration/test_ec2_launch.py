@@ -283,6 +283,23 @@ def test_capacity_error_on_second_node_rolls_everything_back(aws):
     assert failed.target_data["cleanup"]["state"] == "done"
 
 
+def test_ctrl_c_inside_run_instances_terminates_the_node_ec2_made_meanwhile(aws):
+    target = ec2_target(aws, assume_yes=True)
+    calls = {"n": 0}
+
+    def interrupt(**_):  # the second node exists, its answer never reaches the launch
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+    aws["ec2"].meta.events.register("after-call.ec2.RunInstances", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        target.submit()
+    assert calls["n"] == 2
+    assert live_instances(aws["ec2"]) == []  # both nodes, though the launch knew of one
+    assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
+    assert JobStore().find(JOB).status == "Failed"
+
+
 def test_an_upload_refused_by_s3_is_one_line_and_leaves_nothing(aws):
     target = ec2_target(aws, assume_yes=True)
     with pytest.raises(DtrainError) as caught:
