@@ -16,6 +16,8 @@ from typing import Any
 from dtrain.core import logformat
 
 SAGEMAKER_LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+# Empty GetLogEvents pages in a row after which a read stops until the next poll.
+MAX_EMPTY_PAGES = 20
 
 
 @dataclass
@@ -68,7 +70,11 @@ class LogReader:
                 raise
 
     def _read_new(self, cursor: _StreamCursor) -> list[tuple[int, str, str]]:
+        """The stream's events after the cursor. GetLogEvents may answer an empty page with a
+        new token while more events follow: the end is the token coming back unchanged (a run
+        of empty pages is cut short, to be read on the next poll)."""
         events: list[tuple[int, str, str]] = []
+        empty_pages = 0
         while True:
             kwargs: dict[str, Any] = {"logGroupName": self.log_group,
                                       "logStreamName": cursor.name, "startFromHead": True}
@@ -80,7 +86,8 @@ class LogReader:
             token = page.get("nextForwardToken")
             unchanged = token == cursor.token
             cursor.token = token
-            if unchanged or not batch:
+            empty_pages = 0 if batch else empty_pages + 1
+            if unchanged or empty_pages >= MAX_EMPTY_PAGES:
                 return events
 
     def poll(self) -> list[str]:
