@@ -43,6 +43,9 @@ if TYPE_CHECKING:
     from dtrain.spec.model import JobSpec
 
 LOG_POLL_S = 5.0
+# How far SageMaker's clock may be behind this machine's when a job's CreationTime is compared
+# with the submit's start.
+CLOCK_SKEW_S = 300.0
 # SecondaryStatus values before the training container runs.
 _STARTING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack",
              "Downloading", "DownloadingTrainingImage", "Restarting", "Interrupted"}
@@ -181,7 +184,7 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
                 packaging.delete_objects(s3_client, uploaded)
                 return journal.record(Update(status=STOPPED, failure_reason=STOP_REASON))
             action = f"CreateTrainingJob {name}"
-            response = sagemaker.create_training_job(**payload)
+            response = self._create(sagemaker, payload, region, since=request.job.submitted_at)
         except BaseException as exc:
             if action.startswith("CreateTrainingJob") and self._created_anyway(name, region, exc):
                 raise  # SageMaker has the job (a Ctrl-C in flight): its code stays; status adopts it
@@ -201,6 +204,28 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
                 self.out.write(f"{name}: `dtrain stop` came while SageMaker created the job, and "
                                f"stopping it failed ({exc}); run `dtrain stop` again\n")
         return handle
+
+    def _create(self, sagemaker: Any, payload: dict[str, Any], region: str, *,
+                since: float) -> dict[str, Any]:
+        """CreateTrainingJob. botocore retries a call whose answer was lost, and SageMaker
+        refuses the retry as a duplicate name (ResourceInUse) though the first try made the job:
+        a job of that name with this request's hyperparameters, created since the submit began,
+        is this one (answered as CreateTrainingJob would), not another job's name."""
+        from botocore.exceptions import ClientError
+
+        try:
+            return sagemaker.create_training_job(**payload)
+        except ClientError as exc:
+            if aws.error_code(exc) != "ResourceInUse":
+                raise
+            try:
+                job = self.describe(payload["TrainingJobName"], region=region, missing_ok=True)
+            except DtrainError:
+                raise exc from None
+            if job is None or job.get("HyperParameters") != payload["HyperParameters"] or \
+                    job["CreationTime"].timestamp() < since - CLOCK_SKEW_S:
+                raise
+            return {"TrainingJobArn": job["TrainingJobArn"]}
 
     def _created_anyway(self, name: str, region: str, exc: BaseException) -> bool:
         """Whether CreateTrainingJob, cut off by ``exc`` (not SageMaker's refusal), made the job."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ClientError
 from dtrain.core.errors import DtrainError
 from dtrain.jobs import api as jobs
@@ -282,6 +283,40 @@ def test_a_stop_while_submitting_is_delivered_and_never_leaves_a_job_running(
         assert calls == [record.name]
         assert record.status == "Stopping" and record.target_data["arn"]
         assert record.failure_reason == "stopped by user"
+
+
+@pytest.mark.parametrize("whose", ["this submit's", "another job's"])
+def test_a_retried_create_refused_as_a_duplicate_adopts_the_job_its_first_try_made(
+        moto_aws, tmp_path, whose):  # noqa: F811
+    import boto3
+
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+    client = boto3.client("sagemaker", region_name=moto_aws.region,
+                          endpoint_url=moto_aws.endpoint)  # hooked; moto_aws.sagemaker is not
+    sent = capture_create(client)
+
+    def first_try_made_it(**_):
+        # botocore retried a call whose answer was lost: SageMaker made the job on the first
+        # try and refuses the retry (moto has no retries; this double plays exactly that)
+        made = dict(sent[0])
+        if whose == "another job's":  # a job of the same name, from another request
+            made["HyperParameters"] = {**made["HyperParameters"], "lr": "0.5"}
+        moto_aws.sagemaker.create_training_job(**made)
+        raise ClientError({"Error": {"Code": "ResourceInUse", "Message": "Training job names "
+                                     "must be unique within an AWS account and region"}},
+                          "CreateTrainingJob")
+
+    client.meta.events.register("before-call.sagemaker.CreateTrainingJob", first_try_made_it)
+    spec = spec_for(make_source(tmp_path / "src"))
+    clients = {"sagemaker_client": client, "stream": io.StringIO()}
+    if whose == "another job's":
+        with pytest.raises(DtrainError, match="ResourceInUse: Training job names must be unique"):
+            jobs.submit(spec, wait=False, clients=clients)
+        assert JobStore().list()[0].status == "Failed"
+        return
+    record = jobs.submit(spec, wait=False, clients=clients)
+    assert record.status == "Starting" and record.target_data["arn"].endswith(record.name)
+    assert any(key.endswith("/sagemaker_entry.sh") for key in objects(moto_aws.s3))  # code kept
 
 
 def test_missing_bucket_fails_before_any_upload(moto_aws, tmp_path):  # noqa: F811
@@ -569,3 +604,36 @@ def test_sagemaker_s_answer_for_a_job_it_does_not_have_is_told_from_other_errors
     assert _is_missing(error("ValidationException", "Could not find training job 'x'"))  # moto
     assert not _is_missing(error("ValidationException", "1 validation error detected"))
     assert not _is_missing(error("AccessDeniedException", "not authorized"))
+
+
+def test_an_empty_page_of_log_events_before_the_end_does_not_end_the_read(moto_aws):  # noqa: F811
+    from dtrain.launcher.sagemaker.cloudwatch import LogReader
+
+    group, stream = "/aws/sagemaker/TrainingJobs", "job-1/algo-1-1700000000"
+    logs = moto_aws.client("logs")
+    logs.create_log_group(logGroupName=group)
+    logs.create_log_stream(logGroupName=group, logStreamName=stream)
+    now = int(time.time() * 1000)
+    logs.put_log_events(logGroupName=group, logStreamName=stream, logEvents=[
+        {"timestamp": now + i, "message": f"[algo-1 0]: line {i}"} for i in range(3)])
+    # CloudWatch may answer an empty page with a new token while events follow; moto never
+    # does, so this double answers the first call so (exactly that behaviour, nothing else)
+    tokens = []
+
+    def note_token(params, **_):
+        tokens.append(params.get("nextToken"))
+        if params.get("nextToken") == "f/empty":
+            del params["nextToken"]  # moto's own first page follows the empty one
+
+    def empty_first_page(**_):
+        if len(tokens) == 1:
+            return AWSResponse("https://logs", 200, {}, None), {
+                "events": [], "nextForwardToken": "f/empty", "nextBackwardToken": "b/empty",
+                "ResponseMetadata": {"HTTPStatusCode": 200}}
+        return None
+    logs.meta.events.register("before-parameter-build.logs.GetLogEvents", note_token)
+    logs.meta.events.register("before-call.logs.GetLogEvents", empty_first_page)
+    reader = LogReader(client=logs, job_name="job-1")
+    assert reader.poll() == [f"[algo-1 0]: line {i}" for i in range(3)]
+    assert tokens[:2] == [None, "f/empty"]
+    assert reader.poll() == []  # read to the end: nothing twice
