@@ -14,6 +14,12 @@ from typing import Any
 
 from dtrain.core import s3
 
+# In a node's work dir, shared by the bootstrap's shell half (its user data) and Python half: the
+# node's log, and the mark that the Python half wrote its final status (without it, the shell
+# half reports the failure itself).
+BOOTSTRAP_LOG = "bootstrap.log"
+REPORTED = "reported"
+
 
 def source_uri(prefix: str, name: str) -> str:
     return s3.join(prefix, "source", name)
@@ -33,6 +39,11 @@ def status_uri(prefix: str, host: str) -> str:
 
 def logs_folder(prefix: str, host: str | None = None) -> str:
     return s3.join(prefix, "logs", *([host] if host else []))
+
+
+def bootstrap_log_uri(prefix: str, host: str) -> str:
+    """The node's own log (bootstrap and agent lines), which ``dtrain logs`` reads."""
+    return s3.join(logs_folder(prefix, host), BOOTSTRAP_LOG)
 
 
 def output_folder(prefix: str, host: str) -> str:

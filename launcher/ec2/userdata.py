@@ -28,6 +28,7 @@ USER_DATA_LIMIT = 16 * 1024  # EC2's limit on raw user data
 # the artifact upload come first.
 SHUTDOWN_MARGIN_S = 900
 BOOTSTRAP_TEMPLATE = "ec2_bootstrap.sh"
+HOST = "{host}"  # in a URI of the script: the node's private IP, which only the node knows
 
 
 def job_prefix(spec: JobSpec, job_name: str) -> str:
@@ -76,9 +77,15 @@ def render(spec: JobSpec, plan: Plan, *, job_name: str, rank: int) -> str:
     """The node's bootstrap script: the shipped template with this job's values filled in."""
     template = resources.files("dtrain.launcher.ec2.node").joinpath(BOOTSTRAP_TEMPLATE).read_text()
     config = json.dumps(node_config(spec, plan, job_name), indent=1, sort_keys=True)
+    prefix = job_prefix(spec, job_name)
     values = {
         "NODE_RANK": str(rank),
-        "WHEEL_URI": layout.source_uri(job_prefix(spec, job_name), packaging.wheel_name()),
+        "WHEEL_URI": layout.source_uri(prefix, packaging.wheel_name()),
+        "STATUS_URI": layout.status_uri(prefix, HOST),
+        "LOG_URI": layout.bootstrap_log_uri(prefix, HOST),
+        "BOOTSTRAP_LOG": layout.BOOTSTRAP_LOG,
+        "REPORTED": layout.REPORTED,
+        "LAUNCH_TOKEN": placeholder("launch_token"),
         "SHUTDOWN_AFTER_MIN": str((spec.compute.max_run + SHUTDOWN_MARGIN_S + 59) // 60),
         "JOB_CONFIG": config,
     }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
 import sys
 import tarfile
 import threading
@@ -21,6 +22,7 @@ import boto3
 import pytest
 from dtrain.core import contract
 from dtrain.core import s3 as s3_uri
+from dtrain.launcher import packaging
 from dtrain.launcher.ec2 import placeholders, userdata
 from dtrain.launcher.ec2.node import bootstrap as boot
 from dtrain.planning.planner import plan
@@ -243,9 +245,12 @@ while True:
 """
 
 
+FACTS = {"local-ipv4": IPS[0], "instance-id": "i-0", "placement/region": "us-east-1"}
+
+
 class FakeImds:
-    """A double of EC2's instance metadata service: IMDSv2 token, then the spot notice path,
-    404 until ``interrupt()``."""
+    """A double of EC2's instance metadata service: IMDSv2 token, the node's ``FACTS``, and the
+    spot notice path, 404 until ``interrupt()``."""
 
     def __init__(self):
         import http.server
@@ -258,8 +263,11 @@ class FakeImds:
                     self._answer(404, b"")
 
             def do_GET(self):
+                fact = FACTS.get(self.path.removeprefix("/latest/meta-data/"))
                 if self.path == "/latest/meta-data/spot/instance-action" and notice:
                     self._answer(200, json.dumps(notice).encode())
+                elif fact is not None:
+                    self._answer(200, fact.encode())
                 else:
                     self._answer(404, b"")
 
@@ -325,21 +333,115 @@ def test_a_spot_notice_checkpoints_at_once_and_every_complete_checkpoint_is_alre
     imds.server.shutdown()
 
 
-def test_a_peers_failure_report_stops_this_nodes_workers_at_once(s3, tmp_path, monkeypatch, capfd):
-    """Without it, this node's workers would wait in collectives with the failed node until the
-    process-group timeout (30 min of idle p4d time)."""
+@pytest.mark.parametrize("peer_state,said", [
+    ("failed", "reported a failure: stopping this node's workers now"),
+    ("interrupting", "got a spot interruption notice: stopping this node's workers after a "
+                     "checkpoint too")])
+def test_a_peers_failure_or_spot_notice_stops_this_nodes_workers_at_once(
+        s3, tmp_path, monkeypatch, capfd, peer_state, said):
+    """Without it, this node's workers would wait in collectives with the failed (or departing)
+    node until the process-group timeout (30 min of idle p4d time). A report of an earlier
+    launch of the same job name is not this launch's peer."""
     monkeypatch.setattr(boot, "PEER_POLL_S", 0.2)
     config = {**job_config("t-peer"), "num_nodes": 1}
+    peer = boot.Node(rank=1, private_ip=IPS[1], instance_id="i-1", root="", work_dir="")
+    boot.write_status(s3, {**config, "launch_token": "earlier"}, peer, "failed", exit_code=1)
     runner, result = start_one_node(s3, tmp_path, config)
     time.sleep(3)
     assert runner.is_alive(), "the agent runs until told otherwise"
-    peer = boot.Node(rank=1, private_ip=IPS[1], instance_id="i-1", root="", work_dir="")
-    boot.write_status(s3, config, peer, "failed", exit_code=1, reason="rank 1 exited with code 1")
+    boot.write_status(s3, config, peer, peer_state, exit_code=1, reason="rank 1 exited")
     runner.join(timeout=30)
     assert not runner.is_alive() and result["code"] == 143  # its workers checkpointed and stopped
-    assert f"node {IPS[1]} reported a failure: stopping this node's workers" in capfd.readouterr().err
+    assert f"node {IPS[1]} {said}" in capfd.readouterr().err
     report = read_json(s3, s3_uri.split(f"{config['prefix']}/status/{IPS[0]}.json")[1])
     assert report["state"] == "stopped"
+
+
+def test_rendezvous_gives_up_at_once_when_a_peer_reports_it_failed(s3, tmp_path):
+    config = job_config("tok-peer-failed")
+    peer = boot.Node(rank=1, private_ip=IPS[1], instance_id="i-1", root="", work_dir="")
+    boot.write_status(s3, config, peer, "failed", exit_code=1, reason="no wheel")
+    node = boot.Node(rank=0, private_ip=IPS[0], instance_id="i-0",
+                     root=str(tmp_path / "ml"), work_dir=str(tmp_path / "work"))
+    started = time.monotonic()
+    code = boot.run_node(s3, config, node, command=["false"], rendezvous_timeout_s=60,
+                         poll_s=0.1)
+    assert code == 1 and time.monotonic() - started < 30  # not the rendezvous timeout
+    status = read_json(s3, f"dtrain/{JOB}/status/{IPS[0]}.json")
+    assert status["state"] == "failed" and f"node {IPS[1]} failed before every node" in \
+        status["reason"]
+
+
+AWS_CLI = """#!{python}
+# A double of the AWS CLI's `aws s3 cp SRC DST` (what the bootstrap's shell half runs), on the
+# moto server of the test
+import os, sys
+import boto3
+args = [a for a in sys.argv[1:] if a != "--only-show-errors"]
+assert args[:2] == ["s3", "cp"], args
+src, dst = args[2:4]
+client = boto3.client("s3", region_name="us-east-1", endpoint_url=os.environ["STUB_S3"])
+def split(uri):
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+try:
+    if src == "-":
+        client.put_object(Bucket=split(dst)[0], Key=split(dst)[1], Body=sys.stdin.buffer.read())
+    elif src.startswith("s3://"):
+        target = os.path.join(dst, src.rsplit("/", 1)[1]) if os.path.isdir(dst) else dst
+        client.download_file(*split(src), target)
+    else:
+        client.upload_file(src, *split(dst))
+except Exception as exc:
+    print(f"fatal error: {{exc}}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+# The Deep Learning AMI's Python, where pip works and the bootstrap's Python half dies on import
+BROKEN_PYTHON = """#!/bin/bash
+if [ "$2" = pip ]; then exit 0; fi
+echo "ImportError: cannot import name 'x' from 'torch'" >&2
+exit 1
+"""
+
+
+@pytest.mark.parametrize("case", ["no wheel", "python half dies"])
+def test_a_shell_half_failure_is_reported_in_the_status_object_with_the_nodes_log(
+        s3, s3_server, tmp_path, case):
+    """Before this report the other nodes waited out the 30-minute rendezvous, and `dtrain
+    status` had nothing to say; the node powers off either way."""
+    spec = JobSpec.from_file(ROOT / "examples" / "ec2-p4d.yaml", overrides=["ec2.subnet_id=s-1"])
+    script = placeholders.fill(userdata.render(spec, plan(spec), job_name=JOB, rank=0),
+                               {"launch_token": "t-shell"})
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "aws").write_text(AWS_CLI.format(python=sys.executable))
+    (stubs / "shutdown").write_text(f"#!/bin/bash\necho \"$*\" >> {tmp_path}/shutdown.calls\n")
+    (stubs / "python").write_text(BROKEN_PYTHON)
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    config = job_config("t-shell")
+    if case == "python half dies":  # the wheel is there; what runs it is not
+        bucket, key = s3_uri.split(config["prefix"])
+        s3.put_object(Bucket=bucket, Key=f"{key}/source/{packaging.wheel_name()}", Body=b"w")
+    imds = FakeImds()
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUB_S3": s3_server,
+           "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds.url, "DTRAIN_PYTHON": str(stubs / "python"),
+           "DTRAIN_BOOTSTRAP_DIR": str(tmp_path / "work"), "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    imds.server.shutdown()
+    assert done.returncode == 1, done.stdout + done.stderr
+    status = read_json(s3, f"dtrain/{JOB}/status/{IPS[0]}.json")
+    assert (status["state"], status["launch"], status["rank"]) == ("failed", "t-shell", 0)
+    expected = ("could not download dtrain's wheel" if case == "no wheel" else
+                "dtrain.launcher.ec2.node.bootstrap exited with code 1 before reporting")
+    assert status["reason"].startswith(f"bootstrap failed on {IPS[0]}: ") and \
+        expected in status["reason"]
+    log = s3.get_object(Bucket=BUCKET, Key=f"dtrain/{JOB}/logs/{IPS[0]}/bootstrap.log")
+    assert b"dtrain: node 0 installing" in log["Body"].read()
+    assert "-h now" in (tmp_path / "shutdown.calls").read_text()  # powered off at the end
 
 
 def test_a_checkpoints_complete_marker_is_uploaded_after_its_shards(tmp_path, monkeypatch):

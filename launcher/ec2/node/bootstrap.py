@@ -104,7 +104,7 @@ def upload_dir(client, folder: str, uri: str) -> int:
 def write_status(client, config: dict, node: Node, state: str, **extra: Any) -> None:
     layout.put_json(client, layout.status_uri(config["prefix"], node.private_ip), {
         "host": node.private_ip, "rank": node.rank, "instance_id": node.instance_id,
-        "state": state, "updated": time.time(), **extra,
+        "launch": config["launch_token"], "state": state, "updated": time.time(), **extra,
     })
 
 
@@ -122,6 +122,12 @@ def rendezvous(client, config: dict, node: Node, *, timeout_s: float,
             bucket, _ = s3.split(folder)
             peers = [layout.read_json(client, bucket, k) for k in keys]
             return [p["ip"] for p in sorted(peers, key=lambda p: p["rank"])][:want]
+        reports: list[tuple[str, str]] = []
+        peer_states(client, config, node, reports)
+        failed = [host for host, state in reports if state == "failed"]
+        if failed:  # e.g. its wheel never installed: it will never check in
+            raise RuntimeError(f"rendezvous: node {failed[0]} failed before every node checked "
+                               "in; its reason is in its status")
         if time.monotonic() > deadline:
             raise TimeoutError(f"rendezvous: {len(keys)} of {want} nodes checked in within "
                                f"{timeout_s:.0f} s")
@@ -192,14 +198,21 @@ def run_agent(client, config: dict, node: Node, paths: contract.Paths,
 
     def watch_peers() -> None:
         while not stop.wait(PEER_POLL_S):
-            failed: list[str] = []
-            _quietly(failed_peers, client, config, node, failed)  # S3 busy: look again
-            if failed:
-                print(f"dtrain: node {failed[0]} reported a failure: stopping this node's "
+            found: list[tuple[str, str]] = []
+            _quietly(peer_states, client, config, node, found)  # S3 busy: look again
+            why = {state: host for host, state in found}
+            if "failed" in why:
+                print(f"dtrain: node {why['failed']} reported a failure: stopping this node's "
                       "workers now instead of waiting for their collectives to time out",
                       file=sys.stderr, flush=True)
-                agent.send_signal(signal.SIGTERM)
-                return
+            elif "interrupting" in why:  # its workers stop after a checkpoint: so do these
+                print(f"dtrain: node {why['interrupting']} got a spot interruption notice: "
+                      "stopping this node's workers after a checkpoint too", file=sys.stderr,
+                      flush=True)
+            else:
+                continue
+            agent.send_signal(signal.SIGTERM)
+            return
 
     def watch_spot() -> None:
         while not stop.wait(SPOT_POLL_S):
@@ -226,14 +239,15 @@ def run_agent(client, config: dict, node: Node, paths: contract.Paths,
             thread.join(timeout=5)
 
 
-def failed_peers(client, config: dict, node: Node, found: list[str]) -> None:
-    """Add to ``found`` the other nodes whose status object says they failed."""
+def peer_states(client, config: dict, node: Node, found: list[tuple[str, str]]) -> None:
+    """Add to ``found`` (host, state) of the other nodes' status objects written by this
+    launch (a job name used again keeps an earlier launch's objects)."""
     bucket, _ = s3.split(config["prefix"])
     reports = [layout.read_json(client, bucket, key)
                for key in layout.list_keys(client, layout.status_folder(config["prefix"]))
                if key.endswith(".json")]
-    found.extend(r.get("host") for r in reports
-                 if r.get("state") == "failed" and r.get("host") != node.private_ip)
+    found.extend((r.get("host"), r.get("state")) for r in reports
+                 if r.get("launch") == config["launch_token"] and r.get("host") != node.private_ip)
 
 
 def sync_checkpoints(client, folder: str, uri: str, synced: set[str]) -> None:
@@ -258,10 +272,9 @@ def upload_results(client, config: dict, node: Node, paths: contract.Paths) -> N
 def upload_bootstrap_log(client, config: dict, node: Node) -> None:
     """The node's own log (the bootstrap's lines and the agent's, workers' echoed), which
     ``dtrain logs`` reads."""
-    bootstrap_log = os.path.join(node.work_dir, "bootstrap.log")
+    bootstrap_log = os.path.join(node.work_dir, layout.BOOTSTRAP_LOG)
     if os.path.isfile(bootstrap_log):
-        bucket, key = s3.split(s3.join(layout.logs_folder(config["prefix"], node.private_ip),
-                                       "bootstrap.log"))
+        bucket, key = s3.split(layout.bootstrap_log_uri(config["prefix"], node.private_ip))
         client.upload_file(bootstrap_log, bucket, key)
 
 
@@ -304,6 +317,8 @@ def run_node(client, config: dict, node: Node, *, command: list[str] | None = No
     # failed, as on SageMaker and the local target (docs/concepts/container-contract.md).
     state = states.outcome([code]).lower()
     write_status(client, config, node, state, exit_code=code, reason=reason)
+    with open(os.path.join(node.work_dir, layout.REPORTED), "w"):
+        pass
     return code
 
 
