@@ -27,11 +27,12 @@ def ec2_settings(spec, ctx: Findings) -> None:
             "ec2.capacity_block: needs ec2.capacity_reservation_id (the capacity block's id)"
         )
     if ec2.capacity_reservation_id and spec.compute.use_spot:
-        kind = "capacity block" if ec2.capacity_block else "capacity reservation"
+        kind, fields = (("capacity block", "ec2.capacity_block and ec2.capacity_reservation_id")
+                        if ec2.capacity_block else
+                        ("capacity reservation", "ec2.capacity_reservation_id"))
         ctx.problems.append(
             f"compute.use_spot: spot instances cannot run in a {kind} (it is reserved "
-            "on-demand capacity, already paid for); set use_spot: false or drop "
-            "ec2.capacity_reservation_id"
+            f"on-demand capacity, already paid for); set use_spot: false or drop {fields}"
         )
     if spec.compute.instance.efa_interfaces > 1 and not ec2.subnet_id:
         ctx.problems.append(
