@@ -81,8 +81,15 @@ class Launch:
         values = {"ami_id": res.resolve_ami(self.ssm, lookups["ami_id"])}
         values["root_device"] = res.resolve_root_device(self.ec2, lookups["root_device"],
                                                         values["ami_id"])
-        values["subnet_id"], values["vpc_id"] = res.resolve_subnet(self.ec2,
-                                                                    lookups["subnet_id"])
+        values["subnet_id"], values["vpc_id"], zone = res.resolve_subnet(self.ec2,
+                                                                          lookups["subnet_id"])
+        reservation = lookups.get("capacity_reservation")
+        if reservation:
+            nodes = self.request.payload["run_instances"]
+            res.check_reservation(
+                self.ec2, reservation["describe_capacity_reservations"], zone=zone,
+                instance_type=nodes[0]["InstanceType"], nodes=len(nodes),
+                placement_group=self.request.payload["placement_group"]["GroupName"])
         return values
 
     def _check_not_stopped(self) -> None:

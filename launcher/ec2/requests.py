@@ -119,7 +119,12 @@ def needs_confirmation(cost: dict[str, Any]) -> bool:
 def _lookups(spec: JobSpec) -> dict[str, Any]:
     """The I/O steps submit runs before the calls below, and what each fills in."""
     ec2 = spec.ec2
+    reservation = ({"capacity_reservation": {
+        "describe_capacity_reservations": ec2.capacity_reservation_id,
+        "check": "its instance type, zone, placement group, state and free instances"}}
+        if ec2.capacity_reservation_id else {})
     return {
+        **reservation,
         "ami_id": ({"ssm_parameter": DLAMI_SSM_PARAMETER} if ec2.ami == "auto"
                    else {"value": ec2.ami}),
         "root_device": ({"value": DLAMI_ROOT_DEVICE} if ec2.ami == "auto"

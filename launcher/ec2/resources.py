@@ -63,8 +63,9 @@ def resolve_root_device(ec2: Any, lookup: dict[str, str], ami_id: str) -> str:
     return images[0].get("RootDeviceName") or req.DLAMI_ROOT_DEVICE
 
 
-def resolve_subnet(ec2: Any, lookup: dict[str, str]) -> tuple[str, str]:
-    """(subnet id, its VPC id): the given subnet, else the default VPC's first default subnet."""
+def resolve_subnet(ec2: Any, lookup: dict[str, str]) -> tuple[str, str, str]:
+    """(subnet id, its VPC id, its availability zone): the given subnet, else the default VPC's
+    first default subnet."""
     if "value" in lookup:
         subnets = ec2.describe_subnets(SubnetIds=[lookup["value"]])["Subnets"]
     else:
@@ -74,7 +75,43 @@ def resolve_subnet(ec2: Any, lookup: dict[str, str]) -> tuple[str, str]:
     if not subnets:
         raise DtrainError("ec2.subnet_id: not set and this region has no default subnet; give "
                           "a subnet id (one AZ, with a route to S3)")
-    return subnets[0]["SubnetId"], subnets[0]["VpcId"]
+    return subnets[0]["SubnetId"], subnets[0]["VpcId"], subnets[0]["AvailabilityZone"]
+
+
+def check_reservation(ec2: Any, reservation_id: str, *, zone: str, instance_type: str,
+                      nodes: int, placement_group: str) -> None:
+    """Refuse, before anything is created, a capacity reservation the nodes could not launch
+    into: another instance type or zone than the job's, a placement group it was not made for,
+    not active yet (a capacity block before its start), or too few instances free."""
+    try:
+        found = ec2.describe_capacity_reservations(
+            CapacityReservationIds=[reservation_id])["CapacityReservations"]
+    except Exception as exc:  # noqa: BLE001 - one line: a wrong id, or no permission
+        raise aws.as_dtrain_error(exc, f"DescribeCapacityReservations {reservation_id}") from None
+    if not found:
+        raise DtrainError(f"ec2.capacity_reservation_id: EC2 has no reservation {reservation_id} "
+                          "in this region")
+    cr = found[0]
+    problems = []
+    if cr.get("InstanceType") != instance_type:
+        problems.append(f"it holds {cr.get('InstanceType')}, and the job asks for {instance_type}"
+                        " (compute.instance_type)")
+    if cr.get("AvailabilityZone") != zone:
+        problems.append(f"it is in {cr.get('AvailabilityZone')}, and the subnet in {zone}; give "
+                        f"a subnet in {cr.get('AvailabilityZone')} (ec2.subnet_id)")
+    group = (cr.get("PlacementGroupArn") or "").rpartition("/")[2]
+    if group and group != placement_group:
+        problems.append(f"it was made for placement group {group}; set ec2.placement_group: "
+                        f"{group}")
+    if cr.get("State", "active") != "active":
+        problems.append(f"it is {cr['State']}, not active (a capacity block can be used from "
+                        "its start time)")
+    free = cr.get("AvailableInstanceCount")
+    if free is not None and free < nodes and not problems:
+        problems.append(f"{free} of its instances are free, and the job needs {nodes}")
+    if problems:
+        raise DtrainError(f"ec2.capacity_reservation_id: {reservation_id} cannot take these "
+                          f"nodes: {'; '.join(problems)}")
 
 
 # ---------------------------------------------------------------- a job's resources by tag

@@ -333,13 +333,51 @@ def test_cost_above_threshold_is_refused_without_yes_and_nothing_is_created(aws)
         list(jobs.logs(refused.id, store=target.store, clients=target.clients))
 
 
+def answer_capacity_reservation(client, **fields) -> None:
+    """moto has no DescribeCapacityReservations: this double answers it with one reservation
+    (an active one for 2 p4d.24xlarge in the test subnet's zone, changed by ``fields``)."""
+    def describe(params, **_):
+        reservation = {"CapacityReservationId": "cr-0abc", "InstanceType": "p4d.24xlarge",
+                       "State": "active", "AvailableInstanceCount": 2,
+                       **fields}
+        return AWSResponse("https://ec2", 200, {}, None), {
+            "CapacityReservations": [reservation], "ResponseMetadata": {"HTTPStatusCode": 200}}
+    client.meta.events.register("before-call.ec2.DescribeCapacityReservations", describe)
+
+
 def test_capacity_reservation_is_sent_as_given(aws):
     target = ec2_target(aws, assume_yes=True)
+    answer_capacity_reservation(aws["ec2"], AvailabilityZone=aws["subnet"]["AvailabilityZone"])
     target.submit("ec2.capacity_reservation_id=cr-0abc", "ec2.capacity_block=true")
     for sent in aws["sent"]:
         assert sent["CapacityReservationSpecification"] == {
             "CapacityReservationTarget": {"CapacityReservationId": "cr-0abc"}}
         assert sent["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+
+
+@pytest.mark.parametrize("fields,said", [
+    ({"AvailabilityZone": "us-east-1f"}, ("it is in us-east-1f, and the subnet in {zone}; "
+                                          "give a subnet in us-east-1f (ec2.subnet_id)")),
+    ({"InstanceType": "p5.48xlarge"}, "it holds p5.48xlarge, and the job asks for p4d.24xlarge"),
+    ({"PlacementGroupArn": "arn:aws:ec2:us-east-1:123456789012:placement-group/reserved-pg"},
+     "it was made for placement group reserved-pg; set ec2.placement_group: reserved-pg"),
+    ({"State": "scheduled"}, ("it is scheduled, not active (a capacity block can be used "
+                              "from its start time)")),
+    ({"AvailableInstanceCount": 1}, "1 of its instances are free, and the job needs 2"),
+], ids=["zone", "instance-type", "placement-group", "not-started", "too-few-free"])
+def test_a_reservation_the_nodes_cannot_launch_into_is_refused_before_anything_is_made(
+        aws, fields, said):
+    target = ec2_target(aws, assume_yes=True)
+    zone = aws["subnet"]["AvailabilityZone"]
+    answer_capacity_reservation(aws["ec2"], **{"AvailabilityZone": zone, **fields})
+    with pytest.raises(DtrainError) as caught:
+        target.submit("ec2.capacity_reservation_id=cr-0abc")
+    assert str(caught.value).startswith("ec2.capacity_reservation_id: cr-0abc cannot take these "
+                                        "nodes: " + said.format(zone=zone))
+    assert aws["sent"] == [] and live_instances(aws["ec2"]) == []  # nothing launched or made
+    assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
+    assert "Contents" not in aws["s3"].list_objects_v2(Bucket=BUCKET)
+    assert JobStore().find(JOB).status == "Failed"
 
 
 def plant_leftovers(aws, *, launched_at: str = "2020-01-01T00:00:00Z"):
