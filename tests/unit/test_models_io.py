@@ -90,15 +90,15 @@ def test_resave_unsharded_removes_stale_shards(tmp_path):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_meta_build_then_init_weights_matches_a_normal_build(preset):
     config = get_preset(preset)
+    torch.manual_seed(123)
     meta_model = build_model(config, device="meta")
     assert all(p.is_meta for p in meta_model.parameters())
+    torch.randn(7)  # what runs between the build and the initialisation does not matter
     meta_model.to_empty(device="cpu")
-    torch.manual_seed(123)
     meta_model.init_weights()
 
-    normal_model = type(meta_model)(config, attention="flash")
     torch.manual_seed(123)
-    normal_model.init_weights()
+    normal_model = build_model(config)
 
     inputs = _inputs()
     with torch.no_grad():
@@ -108,6 +108,15 @@ def test_meta_build_then_init_weights_matches_a_normal_build(preset):
     for (name, a), (_, b) in zip(meta_model.state_dict().items(),
                                  normal_model.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_a_layout_only_meta_build_leaves_the_rng_alone_and_the_next_model_differs():
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    build_model(get_preset("gpt-neox-tiny"), device="meta")  # e.g. to read its parameter names
+    assert torch.equal(torch.random.get_rng_state(), state)
+    first, second = from_preset("gpt-neox-tiny"), from_preset("gpt-neox-tiny")
+    assert not torch.equal(first.gpt_neox.embed_in.weight, second.gpt_neox.embed_in.weight)
 
 
 def test_init_weights_reties_embeddings_broken_by_to_empty():

@@ -42,6 +42,23 @@ def test_stages_hold_consecutive_units_under_the_whole_model_s_names():
     torch.testing.assert_close(second(first(ids)), model(ids), atol=0, rtol=0)
 
 
+def test_each_stage_built_on_meta_starts_with_the_whole_model_s_values():
+    # before, every stage restarted the draw: the j-th block of each stage started identical
+    torch.manual_seed(0)
+    whole = from_preset("gpt-neox-tiny", num_hidden_layers=6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = from_preset("gpt-neox-tiny", num_hidden_layers=6, tie_word_embeddings=False,
+                        device="meta")
+    units = model_units(model)
+    values = dict(whole.named_parameters())
+    for part in (units[:3], units[3:6], units[6:]):
+        stage = StageModule(model, part)
+        stage.to_empty(device="cpu")
+        stage.init_weights()
+        for name, param in stage.named_parameters():
+            assert torch.equal(param, values[name]), name
+
+
 def test_a_stage_records_its_family_s_parameter_layout_in_checkpoints():
     from dtrain.runtime.train.checkpoint import state_layout
 

@@ -40,6 +40,8 @@ from dtrain.runtime.distributed.context import RuntimeContext
 from dtrain.runtime.distributed.tensor_parallel import apply_tensor_parallel
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -258,5 +260,22 @@ def _materialize_if_meta(model: nn.Module, ctx: RuntimeContext) -> None:
     model.to_empty(device=ctx.device)
     init_weights = getattr(model, "init_weights", None)
     if callable(init_weights):
-        with torch.no_grad():
+        with torch.no_grad(), WholeIntoSlice():
             init_weights()
+
+
+class WholeIntoSlice(TorchFunctionMode):
+    """While a split model initialises: a whole tensor copied into a split parameter (a DTensor,
+    ``param.copy_(values)``) lands as this rank's slice of it, without communication (each rank
+    computed the whole). Models write whole values and know nothing of DTensor
+    (``HFCompatibleModel.init_weights``); DTensor's own ``copy_`` refuses a plain tensor, and
+    under implicit replication refuses to split one into a shard."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and isinstance(args[0], DTensor) and \
+                not isinstance(args[1], DTensor):
+            into = args[0]
+            part = distribute_tensor(args[1].to(into.device), into.device_mesh, into.placements,
+                                     src_data_rank=None)
+            args = (into, part, *args[2:])
+        return func(*args, **(kwargs or {}))

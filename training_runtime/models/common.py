@@ -262,12 +262,12 @@ class HFCompatibleModel(nn.Module):
         the model was built) and the parameter's name.
 
         Linear/Embedding weights ~ N(0, initializer_range), biases 0, LayerNorm 1/0, padding
-        embedding rows 0, any other parameter 0. Works after ``to_empty`` from the meta device,
-        also when parameters are already split (DTensors of tensor parallelism, MiCS shards or
-        pipeline stages): each rank draws the whole tensor from its seed and keeps its slice,
-        so a split model starts exactly as the whole one (on the same device type); a random
-        op on a DTensor would instead draw the same values on every rank where DTensor has no
-        RNG tracker (CPU). Draws once from the torch RNG, so the next model built differs.
+        embedding rows 0, any other parameter 0. Works after ``to_empty`` from the meta device.
+        Each random weight is drawn whole and copied in, so a model already split (pipeline
+        stages; DTensors, whose copies the runtime's ``shard`` turns into each rank's slice of
+        the whole) starts exactly as the whole model on the same device type. A random op on a DTensor would instead draw the same values on
+        every rank where DTensor keeps no RNG state (CPU). Draws once from the torch RNG, so
+        the next model built differs.
         """
         self.tie_weights()
         init_parameters(self, seed=self.init_seed, std=self.initializer_range)
@@ -327,15 +327,6 @@ def _init_parameter(module: nn.Module, name: str, param: nn.Parameter, *, std: f
         padding_idx = getattr(module, "padding_idx", None)
         if padding_idx is not None:
             whole[padding_idx].zero_()
-        param.copy_(_this_ranks_part(whole, like=param))
+        param.copy_(whole)  # a split parameter keeps its part (see init_weights)
     else:
         param.zero_()
-
-
-def _this_ranks_part(whole: torch.Tensor, *, like: torch.Tensor) -> torch.Tensor:
-    """``whole`` split as the DTensor ``like`` is (no communication), or ``whole`` itself."""
-    if not hasattr(like, "device_mesh"):
-        return whole
-    from torch.distributed.tensor import distribute_tensor  # only a split model gets here
-
-    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
