@@ -50,6 +50,18 @@ def test_sagemaker_instance_names_are_accepted_and_canonicalised():
     assert spec.world_size == 8
 
 
+@pytest.mark.parametrize("section,field", [
+    ("distribution", "sharding_degree"), ("distribution", "tensor_parallel_degree"),
+    ("distribution", "gradient_accumulation_steps"), ("compute", "instance_count"),
+    ("compute", "max_run")])
+def test_a_yes_no_is_never_read_as_a_number(section, field):
+    # pydantic alone reads `sharding_degree: true` as 1: plain data parallel, silently
+    msg = problems({**RECIPE, section: {field: True}})
+    assert msg == f"{section}.{field}: true is a yes/no; give a number"
+    assert JobSpec.from_dict({**RECIPE, "distribution": {"activation_checkpointing": True,
+                                                        "hierarchical_allgather": False}})
+
+
 @pytest.mark.parametrize("count", [0, -3])
 def test_instance_count_below_one_is_rejected(count):
     msg = problems({**RECIPE, "compute": {"instance_count": count}})
