@@ -306,12 +306,15 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
                 made="SageMaker created the job")
             if waiting is not None:
                 return waiting
-            if handle.status == STOPPING and described.get("TrainingJobStatus") == "InProgress":
-                # the stop its submit would have delivered (if refused, it is not adopted yet:
-                # the next status tries again)
-                self._stop_training_job(_job_name(handle), state.region)
         else:
             described = self.describe(_job_name(handle), region=state.region)
+        if handle.status == STOPPING and described.get("TrainingJobStatus") == "InProgress":
+            # a stop recorded and not delivered: its submit died, or its StopTrainingJob failed
+            # (or SageMaker has not moved to Stopping yet: it refuses a second stop, harmlessly)
+            try:
+                self._stop_training_job(_job_name(handle), state.region)
+            except DtrainError:
+                pass  # the record stays Stopping: the next status tries again
         update = update_from(described)
         if state.arn is None and described.get("TrainingJobArn"):
             # created by a submit that died before it recorded the job: adopted

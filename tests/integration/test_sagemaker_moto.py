@@ -319,6 +319,44 @@ def test_a_retried_create_refused_as_a_duplicate_adopts_the_job_its_first_try_ma
     assert any(key.endswith("/sagemaker_entry.sh") for key in objects(moto_aws.s3))  # code kept
 
 
+def test_a_stop_the_submit_could_not_deliver_is_delivered_by_the_next_status(
+        moto_aws, tmp_path):  # noqa: F811
+    moto_aws.s3.create_bucket(Bucket=BUCKET)
+    client = moto_aws.client("sagemaker")
+    clients = {"sagemaker_client": client, "stream": io.StringIO()}
+
+    def stop_now(**_):  # `dtrain stop` from another terminal while SageMaker creates the job
+        [record] = JobStore().list()
+        jobs.stop(record.id, clients=clients)
+
+    def in_progress(params, **_):  # moto completes a job at once; this one trains on
+        name = json.loads(params["body"])["TrainingJobName"]
+        return SimpleNamespace(status_code=200, headers={}), {
+            "TrainingJobName": name, "TrainingJobStatus": "InProgress",
+            "SecondaryStatus": "Training",
+            "TrainingJobArn": f"arn:aws:sagemaker:us-east-1:123456789012:training-job/{name}"}
+
+    client.meta.events.register("before-call.sagemaker.CreateTrainingJob", stop_now)
+    client.meta.events.register("before-call.sagemaker.DescribeTrainingJob", in_progress)
+    stops: list[str] = []
+
+    def stop_training_job(params, **_):  # moto has none: refused while the submit runs
+        stops.append(json.loads(params["body"])["TrainingJobName"])
+        if refusing:
+            raise ClientError({"Error": {"Code": "ThrottlingException",
+                                         "Message": "Rate exceeded"}}, "StopTrainingJob")
+        return SimpleNamespace(status_code=200, headers={}), {}
+
+    refusing = True
+    client.meta.events.register("before-call.sagemaker.StopTrainingJob", stop_training_job)
+    record = jobs.submit(spec_for(make_source(tmp_path / "src")), wait=False, clients=clients)
+    assert set(stops) == {record.name} and record.status == "Stopping"
+    assert "stopping it failed" in clients["stream"].getvalue()
+    refusing, stops[:] = False, []
+    assert jobs.get(record.id, clients=clients).status == "Stopping"
+    assert stops == [record.name]  # the status delivered it
+
+
 def test_missing_bucket_fails_before_any_upload(moto_aws, tmp_path):  # noqa: F811
     spec = spec_for(make_source(tmp_path / "src"))
     with pytest.raises(DtrainError, match=f"bucket '{BUCKET}' does not exist; create it"):
