@@ -38,7 +38,8 @@ def run_parity(rt, distribution: dict, *, accumulation: int = 1, meta: bool = Fa
     ctx = rt.init(distribution=distribution)
     torch.manual_seed(0)
     ref = from_preset(PRESET, attention="sdpa", num_hidden_layers=LAYERS)
-    torch.manual_seed(0)
+    # on meta, each rank seeded differently, as a script may: the runtime takes rank 0's seed
+    torch.manual_seed(torch.distributed.get_rank())
     model = (from_preset(PRESET, attention="sdpa", num_hidden_layers=LAYERS, device="meta")
              if meta else copy.deepcopy(ref))
     piped = rt.shard(model, ctx, **shard_options)

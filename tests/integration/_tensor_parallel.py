@@ -55,7 +55,8 @@ def build(rt, preset: str, distribution: dict, *, meta: bool = False):
     ctx = rt.init(distribution=distribution)
     torch.manual_seed(0)
     ref = from_preset(preset)  # the default kernel: flash attention, per shard
-    torch.manual_seed(0)
+    # on meta, each rank seeded differently, as a script may: the runtime takes rank 0's seed
+    torch.manual_seed(torch.distributed.get_rank())
     model = from_preset(preset, device="meta") if meta else copy.deepcopy(ref)
     rt.shard(model, ctx)
     return ctx, model, ref

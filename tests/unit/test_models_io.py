@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 from dtrain.core.presets import get_preset
-from dtrain.runtime.models import build_model, from_preset, num_parameters
+from dtrain.runtime.models import build_model, from_preset, layout_model, num_parameters
 from dtrain.runtime.models.common import _ACTIVATIONS
 from dtrain.runtime.models.hf_io import INDEX_NAME, WEIGHTS_NAME, load_pretrained, save_pretrained
 
@@ -110,12 +110,16 @@ def test_meta_build_then_init_weights_matches_a_normal_build(preset):
         assert torch.equal(a, b), name
 
 
-def test_a_layout_only_meta_build_leaves_the_rng_alone_and_the_next_model_differs():
+def test_a_layout_model_leaves_the_rng_alone_and_the_next_model_built_differs():
     torch.manual_seed(0)
     state = torch.random.get_rng_state()
-    build_model(get_preset("gpt-neox-tiny"), device="meta")  # e.g. to read its parameter names
+    layout_model(get_preset("gpt-neox-tiny"))  # e.g. to read its parameter names
     assert torch.equal(torch.random.get_rng_state(), state)
-    first, second = from_preset("gpt-neox-tiny"), from_preset("gpt-neox-tiny")
+    first = from_preset("gpt-neox-tiny", device="meta")
+    second = from_preset("gpt-neox-tiny", device="meta")
+    for model in (first, second):
+        model.to_empty(device="cpu")
+        model.init_weights()
     assert not torch.equal(first.gpt_neox.embed_in.weight, second.gpt_neox.embed_in.weight)
 
 

@@ -31,6 +31,7 @@ import os
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from dtrain.core.parallelism import ParallelismPlan
 from dtrain.core.tensor_parallel import ModelDims
 from dtrain.runtime import torch_private
@@ -74,6 +75,7 @@ def shard(
     gradient sync's buffers (``gradient_sync: overlapped`` in the plan).
     """
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
+    _one_init_seed(model)
     precision = mixed_precision or ctx.config.mixed_precision
     options = {
         "policy": build_mixed_precision_policy(precision, device=ctx.device),
@@ -253,6 +255,19 @@ def _configure_collectives(model: nn.Module, ctx: RuntimeContext, *,
             module.set_custom_all_gather(comm)
 
 
+def _one_init_seed(model: nn.Module) -> None:
+    """Rank 0's ``init_seed`` on every rank, for a model still on the meta device: a script
+    that seeds each rank differently still starts every replica and shard from one model
+    (before the pipeline stages copy it)."""
+    seed = getattr(model, "init_seed", None)
+    if seed is None or not dist.is_initialized() or dist.get_world_size() == 1 or \
+            not any(t.is_meta for t in model.parameters()):
+        return
+    shared = [seed]
+    dist.broadcast_object_list(shared, src=0)
+    model.init_seed = shared[0]
+
+
 def _materialize_if_meta(model: nn.Module, ctx: RuntimeContext) -> None:
     tensors = list(model.parameters()) + list(model.buffers())
     if not any(t.is_meta for t in tensors):
@@ -272,10 +287,12 @@ class WholeIntoSlice(TorchFunctionMode):
     under implicit replication refuses to split one into a shard."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_ and isinstance(args[0], DTensor) and \
-                not isinstance(args[1], DTensor):
-            into = args[0]
-            part = distribute_tensor(args[1].to(into.device), into.device_mesh, into.placements,
-                                     src_data_rank=None)
-            args = (into, part, *args[2:])
-        return func(*args, **(kwargs or {}))
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.copy_ and isinstance(args[0], DTensor):
+            into, args = args[0], args[1:]
+            src = args[0] if args else kwargs.pop("src")
+            if not isinstance(src, DTensor):
+                src = distribute_tensor(src.to(into.device), into.device_mesh, into.placements,
+                                        src_data_rank=None)
+            return func(into, src, *args[1:], **kwargs)
+        return func(*args, **kwargs)

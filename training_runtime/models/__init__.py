@@ -17,8 +17,8 @@ from dtrain.runtime.models.attention import ATTENTION_BACKENDS, check_backend, u
 from torch import nn
 
 __all__ = [
-    "ATTENTION_BACKENDS", "build_model", "from_preset", "model_class", "num_parameters",
-    "used_kernels",
+    "ATTENTION_BACKENDS", "build_model", "from_preset", "layout_model", "model_class",
+    "num_parameters", "used_kernels",
 ]
 
 # HF model_type -> "module:class"; imported on first use so one family's bug can't break another
@@ -55,7 +55,9 @@ def build_model(
 
     ``device="meta"`` returns the unmaterialised model (call ``to_empty`` then
     ``init_weights()`` later, e.g. after sharding); any other device (default CPU) returns it
-    initialised from the torch RNG, so the same seed gives the same weights either way.
+    initialised. Either way the build draws the model's ``init_seed`` from the torch RNG, so the
+    same seed gives the same weights either way (on the same device type), and the next model
+    built differs. For a model wanted only for its names and shapes, :func:`layout_model`.
     """
     check_backend(attention)
     cls = model_class(config.get("model_type"))
@@ -68,6 +70,14 @@ def build_model(
     model.to_empty(device=device or "cpu")
     model.init_weights()
     return model
+
+
+def layout_model(config: dict[str, Any], *, attention: str = "flash") -> nn.Module:
+    """The model an HF config describes, on the meta device, for its parameter names and shapes
+    only: unlike :func:`build_model`, it leaves the torch RNG as it was (a layout read on one
+    rank must not move that rank's random stream away from the others')."""
+    with torch.random.fork_rng(devices=[]):
+        return build_model(config, attention=attention, device="meta")
 
 
 def from_preset(

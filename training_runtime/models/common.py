@@ -241,9 +241,9 @@ class HFCompatibleModel(nn.Module):
         self.hf_config = dict(hf_config)
         self.initializer_range = float(hf_config.get("initializer_range") or 0.02)
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
-        # Read, not drawn, from the torch RNG: a model built only for its layout (meta) leaves
-        # the RNG as it was; init_weights() draws once, so the next model differs.
-        self.init_seed = _seed_of(torch.random.get_rng_state().numpy().tobytes())
+        # Drawn when the model is built (the next model differs), used whenever it initialises:
+        # what runs between (sharding, pipeline partitioning) changes nothing.
+        self.init_seed = int(torch.randint(2**62, (), device="cpu"))
 
     def tie_weights(self) -> None:
         """Share tied parameters; also re-ties after ``to_empty``, which breaks sharing."""
@@ -258,20 +258,19 @@ class HFCompatibleModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter, each from its own seed: ``init_seed`` (fixed when
-        the model was built) and the parameter's name.
+        """(Re)initialise every parameter, each from its own seed: ``init_seed`` (drawn from
+        the torch RNG when the model was built) and the parameter's name.
 
         Linear/Embedding weights ~ N(0, initializer_range), biases 0, LayerNorm 1/0, padding
         embedding rows 0, any other parameter 0. Works after ``to_empty`` from the meta device.
         Each random weight is drawn whole and copied in, so a model already split (pipeline
         stages; DTensors, whose copies the runtime's ``shard`` turns into each rank's slice of
-        the whole) starts exactly as the whole model on the same device type. A random op on a DTensor would instead draw the same values on
-        every rank where DTensor keeps no RNG state (CPU). Draws once from the torch RNG, so
-        the next model built differs.
+        the whole) starts exactly as the whole model on the same device type. A random op on a
+        DTensor would instead draw the same values on every rank where DTensor keeps no RNG
+        state (CPU).
         """
         self.tie_weights()
         init_parameters(self, seed=self.init_seed, std=self.initializer_range)
-        torch.randint(2, (), device="cpu")
 
     def hf_config_dict(self) -> dict[str, Any]:
         """The ``config.json`` content: the given config, with the fields the family normalised

@@ -70,9 +70,9 @@ def hf_problem(model: nn.Module) -> str | None:
         return f"{_model_class(model).__name__} is not one of dtrain's model families"
     if callable(getattr(model, "gather_full_state_dict", None)):
         return None  # pipeline stages: built only for dtrain's families, under the model's names
-    from dtrain.runtime.models import build_model
+    from dtrain.runtime.models import layout_model
 
-    family = build_model(config(), device="meta")
+    family = layout_model(config())
     expected = set(family.state_dict())
     tied = set(getattr(family, "_tied_weights_keys", None) or ())
     have = set(get_model_state_dict(model))

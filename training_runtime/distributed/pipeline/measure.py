@@ -21,9 +21,9 @@ def measure_unit_costs(model: nn.Module, units: list[Unit], *, micro_batch_size:
                        seq_len: int) -> list[UnitCost]:
     """Forward+backward FLOPs, parameters and output bytes of each unit for one micro-batch of
     ``micro_batch_size × seq_len`` tokens."""
-    from dtrain.runtime.models import build_model
+    from dtrain.runtime.models import layout_model
 
-    meta = build_model(model.hf_config_dict(), attention=model.attention_backend, device="meta")
+    meta = layout_model(model.hf_config_dict(), attention=model.attention_backend)
     x = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
     counted: set[int] = set()  # a tied parameter counts once, where it first appears
     costs = []
