@@ -29,6 +29,10 @@ CAPACITY_CODES = ("InsufficientInstanceCapacity", "InsufficientCapacityOnHost",
                   "InsufficientReservedInstanceCapacity", "SpotMaxPriceTooLow",
                   "InsufficientCapacity", "ReservationCapacityExceeded")
 QUOTA_CODES = ("VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded")
+# After a RunInstances call that never answered: how often, and how far apart, the rollback
+# lists the launch's nodes before it trusts that the call made none.
+UNANSWERED_LISTS = 4
+UNANSWERED_WAIT_S = 10.0
 
 
 class Launch:
@@ -40,7 +44,7 @@ class Launch:
         self.region, self.ec2, self.s3, self.ssm, self.out = region, ec2, s3, ssm, out
         self.now = now
         self.created = res.Created(job=request.job.name)
-        self.run_instances_sent = False  # a node may exist that ``created`` does not list
+        self.run_instances_pending = False  # a RunInstances call is out, its answer not in
 
     def run(self, *, sleep: Callable[[float], None]) -> Handle:
         payload = self.request.payload
@@ -61,11 +65,10 @@ class Launch:
                                  uploaded=self.created.uploads)
             facts = self._launch(placeholders.fill(payload, values), values)
         except BaseException as exc:  # noqa: BLE001 - Ctrl-C mid-launch must not leak nodes
-            # a Ctrl-C inside RunInstances can come after EC2 made the node: list them by tag
-            launched = self.created.instances or self.run_instances_sent
-            relist = (lambda: res.job_instance_ids(self.ec2, self.request.job.name,
-                                                   launch=values["launch_token"])) \
-                if launched else None
+            # a Ctrl-C (or a timeout) inside RunInstances can come after EC2 made the node
+            unanswered = self.run_instances_pending and aws.error_code(exc) is None
+            relist = self._relist(values["launch_token"], sleep, patient=unanswered) \
+                if self.created.instances or unanswered else None
             left = res.rollback(self.ec2, self.s3, self.created, sleep=sleep, relist=relist)
             error = self._error(exc, left)
             status = STOPPED if self.journal.current().status == STOPPING else FAILED
@@ -119,12 +122,32 @@ class Launch:
             self._check_not_stopped()
             node = placeholders.fill(node, {"security_group_id": group_id})
             self.out.write(f"launching node {rank + 1}/{len(nodes)} ({node['InstanceType']})\n")
-            self.run_instances_sent = True
+            self.run_instances_pending = True
             created.instances.append(ec2.run_instances(**node)["Instances"][0]["InstanceId"])
+            self.run_instances_pending = False
         self._check_not_stopped()
         return {"instance_ids": list(created.instances), "subnet_id": values["subnet_id"],
                 "security_group_id": group_id, "placement_group": group["GroupName"],
                 "created_placement_group": group["create"], "uploads": list(created.uploads)}
+
+    def _relist(self, token: str, sleep: Callable[[float], None], *,
+                patient: bool) -> Callable[[], list[str]]:
+        """The launch's nodes not terminated, listed by tag (for the rollback). ``patient``:
+        a RunInstances call never answered, and EC2 may list the node it made only after a
+        while, so the first list is repeated (``UNANSWERED_LISTS`` times) until it shows one."""
+        tries = [UNANSWERED_LISTS if patient else 1]
+
+        def relist() -> list[str]:
+            while True:
+                found = res.job_instance_ids(self.ec2, self.request.job.name, launch=token)
+                tries[0] -= 1
+                if found or tries[0] <= 0:
+                    tries[0] = 0
+                    return found
+                self.out.write("looking again for a node the cut-off RunInstances may have "
+                               "made (EC2 lists new nodes after a delay)\n")
+                sleep(UNANSWERED_WAIT_S)
+        return relist
 
     def _error(self, exc: BaseException, left: list[str]) -> BaseException:
         """The one line the user sees: what failed, what became of the nodes, what to try."""

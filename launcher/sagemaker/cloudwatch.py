@@ -69,10 +69,11 @@ class LogReader:
             if "ResourceNotFoundException" not in type(exc).__name__ + str(exc):
                 raise
 
-    def _read_new(self, cursor: _StreamCursor) -> list[tuple[int, str, str]]:
+    def _read_new(self, cursor: _StreamCursor, *,
+                  to_the_end: bool) -> list[tuple[int, str, str]]:
         """The stream's events after the cursor. GetLogEvents may answer an empty page with a
-        new token while more events follow: the end is the token coming back unchanged (a run
-        of empty pages is cut short, to be read on the next poll)."""
+        new token while more events follow: the end is the token coming back unchanged. Unless
+        ``to_the_end`` (a last read), a run of empty pages is cut short for the next poll."""
         events: list[tuple[int, str, str]] = []
         empty_pages = 0
         while True:
@@ -87,15 +88,16 @@ class LogReader:
             unchanged = token == cursor.token
             cursor.token = token
             empty_pages = 0 if batch else empty_pages + 1
-            if unchanged or empty_pages >= MAX_EMPTY_PAGES:
+            if unchanged or (empty_pages >= MAX_EMPTY_PAGES and not to_the_end):
                 return events
 
-    def poll(self) -> list[str]:
-        """New lines since the last call, in time order, each saying where it came from."""
+    def poll(self, *, to_the_end: bool = True) -> list[str]:
+        """New lines since the last call, in time order, each saying where it came from
+        (``to_the_end=False``: a poll of a followed job, which the next poll goes on from)."""
         self._discover()
         events: list[tuple[int, str, str]] = []
         for cursor in self._cursors.values():
-            events.extend(self._read_new(cursor))
+            events.extend(self._read_new(cursor, to_the_end=to_the_end))
         events.sort(key=lambda e: e[0])
         lines = (logformat.as_line(_host_of(stream, self.job_name), message.rstrip("\n"))
                  for _, stream, message in events)
@@ -104,11 +106,11 @@ class LogReader:
     def lines(self, *, follow: bool = False,
               done: Callable[[], bool] = lambda: True) -> Iterator[str]:
         """Everything so far; with ``follow``, keep polling until ``done()`` and one last read."""
-        yield from self.poll()
+        yield from self.poll(to_the_end=not follow)
         while follow:
             finished = done()
             self.sleep(0 if finished else self.poll_s)
-            yield from self.poll()
+            yield from self.poll(to_the_end=finished)
             if finished:
                 return
 

@@ -6,6 +6,7 @@ import re
 
 SCHEME = "s3://"
 _URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?$")
+_UNSAFE = re.compile(r"[\"'`\\\x00-\x1f\x7f]")
 
 
 def is_s3_uri(value: object) -> bool:
@@ -21,6 +22,10 @@ def check(value: str, field: str) -> str:
             f"{field}: {value!r} is not a valid S3 URI; write it as s3://bucket-name/prefix "
             "(bucket names are 3-63 lowercase letters, digits, dots or hyphens)"
         )
+    if _UNSAFE.search(value):
+        # S3 allows them, but the URI travels in shell scripts and JSON (an EC2 node's bootstrap)
+        raise ValueError(f"{field}: {value!r} holds a quote, a backslash or a control character; "
+                         "dtrain does not take those in S3 locations")
     return value
 
 

@@ -3,7 +3,8 @@ yes/no is never taken for a number."""
 
 from __future__ import annotations
 
-from typing import Any, get_args
+import types
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -15,16 +16,30 @@ class _Model(BaseModel):
     @classmethod
     def _no_yes_no_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic reads `true` as 1 for an int field: `sharding_degree: true` would mean DDP
-        if isinstance(value, bool) and info.field_name is not None:
-            annotation = cls.model_fields[info.field_name].annotation
-            number = _accepts(annotation, int) or _accepts(annotation, float)
-            if number and not _accepts(annotation, bool):
-                raise ValueError(f"{str(value).lower()} is a yes/no; give a number")
+        if info.field_name is None:
+            return value
+        options = _options(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and _wants_a_number(options):
+            raise ValueError(f"{str(value).lower()} is a yes/no; give a number")
+        if isinstance(value, (list, tuple)) and any(isinstance(item, bool) for item in value):
+            items = [arg for option in options if get_origin(option) in (list, tuple)
+                     for arg in get_args(option) if arg is not Ellipsis]
+            if items and _wants_a_number([o for item in items for o in _options(item)]):
+                shown = ", ".join(str(v).lower() if isinstance(v, bool) else repr(v)
+                                  for v in value)
+                raise ValueError(f"[{shown}] holds a yes/no; give numbers")
         return value
 
 
-def _accepts(annotation: Any, kind: type) -> bool:
-    """Whether ``annotation`` (unions, ``Annotated``, ``Optional`` unwrapped) admits ``kind``."""
-    if annotation is kind:
-        return True
-    return any(_accepts(arg, kind) for arg in get_args(annotation) if not isinstance(arg, str))
+def _options(annotation: Any) -> list[Any]:
+    """The alternatives of a union (``Optional`` and ``Annotated`` unwrapped), else itself."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _options(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return [option for arg in get_args(annotation) for option in _options(arg)]
+    return [annotation]
+
+
+def _wants_a_number(options: list[Any]) -> bool:
+    return any(option in (int, float) for option in options) and bool not in options

@@ -333,10 +333,13 @@ def test_a_spot_notice_checkpoints_at_once_and_every_complete_checkpoint_is_alre
     imds.server.shutdown()
 
 
+STOPPING = ("is stopping (a spot interruption notice, max_run or a stop): stopping this node's "
+            "workers after a checkpoint too")
+
+
 @pytest.mark.parametrize("peer_state,said", [
     ("failed", "reported a failure: stopping this node's workers now"),
-    ("interrupting", ("got a spot interruption notice: stopping this node's workers after "
-                      "a checkpoint too"))])
+    ("interrupting", STOPPING), ("stopped", STOPPING)])
 def test_a_peers_failure_or_spot_notice_stops_this_nodes_workers_at_once(
         s3, tmp_path, monkeypatch, capfd, peer_state, said):
     """Without it, this node's workers would wait in collectives with the failed (or departing)

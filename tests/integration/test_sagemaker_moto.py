@@ -644,8 +644,8 @@ def test_sagemaker_s_answer_for_a_job_it_does_not_have_is_told_from_other_errors
     assert not _is_missing(error("AccessDeniedException", "not authorized"))
 
 
-def test_an_empty_page_of_log_events_before_the_end_does_not_end_the_read(moto_aws):  # noqa: F811
-    from dtrain.launcher.sagemaker.cloudwatch import LogReader
+def test_empty_pages_of_log_events_before_the_end_do_not_end_the_read(moto_aws):  # noqa: F811
+    from dtrain.launcher.sagemaker.cloudwatch import MAX_EMPTY_PAGES, LogReader
 
     group, stream = "/aws/sagemaker/TrainingJobs", "job-1/algo-1-1700000000"
     logs = moto_aws.client("logs")
@@ -654,24 +654,30 @@ def test_an_empty_page_of_log_events_before_the_end_does_not_end_the_read(moto_a
     now = int(time.time() * 1000)
     logs.put_log_events(logGroupName=group, logStreamName=stream, logEvents=[
         {"timestamp": now + i, "message": f"[algo-1 0]: line {i}"} for i in range(3)])
-    # CloudWatch may answer an empty page with a new token while events follow; moto never
-    # does, so this double answers the first call so (exactly that behaviour, nothing else)
+    # CloudWatch may answer empty pages with new tokens while events follow; moto never does,
+    # so this double answers the first calls so (exactly that behaviour, nothing else)
+    empty = MAX_EMPTY_PAGES + 5
     tokens = []
 
     def note_token(params, **_):
         tokens.append(params.get("nextToken"))
-        if params.get("nextToken") == "f/empty":
-            del params["nextToken"]  # moto's own first page follows the empty one
+        if params.get("nextToken") == f"f/empty-{empty}":
+            del params["nextToken"]  # moto's own first page follows the empty ones
 
-    def empty_first_page(**_):
-        if len(tokens) == 1:
+    def empty_pages(**_):
+        if len(tokens) <= empty:
             return AWSResponse("https://logs", 200, {}, None), {
-                "events": [], "nextForwardToken": "f/empty", "nextBackwardToken": "b/empty",
-                "ResponseMetadata": {"HTTPStatusCode": 200}}
+                "events": [], "nextForwardToken": f"f/empty-{len(tokens)}",
+                "nextBackwardToken": "b/empty", "ResponseMetadata": {"HTTPStatusCode": 200}}
         return None
     logs.meta.events.register("before-parameter-build.logs.GetLogEvents", note_token)
-    logs.meta.events.register("before-call.logs.GetLogEvents", empty_first_page)
-    reader = LogReader(client=logs, job_name="job-1")
-    assert reader.poll() == [f"[algo-1 0]: line {i}" for i in range(3)]
-    assert tokens[:2] == [None, "f/empty"]
-    assert reader.poll() == []  # read to the end: nothing twice
+    logs.meta.events.register("before-call.logs.GetLogEvents", empty_pages)
+    lines = [f"[algo-1 0]: line {i}" for i in range(3)]
+    # `dtrain logs` without --follow reads once: to the end, however many empty pages come
+    assert list(LogReader(client=logs, job_name="job-1").lines()) == lines
+    tokens.clear()  # following: a long run of empty pages waits for the next poll
+    follower = LogReader(client=logs, job_name="job-1")
+    assert follower.poll(to_the_end=False) == []
+    assert len(tokens) == MAX_EMPTY_PAGES
+    assert follower.poll(to_the_end=False) == lines
+    assert follower.poll() == []  # read to the end: nothing twice

@@ -62,6 +62,12 @@ def test_a_yes_no_is_never_read_as_a_number(section, field):
                                                         "hierarchical_allgather": False}})
 
 
+def test_a_yes_no_in_a_list_of_numbers_is_refused_too():
+    msg = problems({**RECIPE, "distribution": {"pipeline_parallel_degree": 2,
+                                               "partition": [True, 3]}})
+    assert msg == "distribution.partition: [true, 3] holds a yes/no; give numbers"
+
+
 @pytest.mark.parametrize("count", [0, -3])
 def test_instance_count_below_one_is_rejected(count):
     msg = problems({**RECIPE, "compute": {"instance_count": count}})
@@ -111,6 +117,13 @@ def test_durations_accept_units():
 def test_malformed_s3_uri_is_rejected(uri):
     msg = problems(sagemaker() | {"inputs": {"train": uri}})
     assert "inputs.train" in msg and repr(uri) in msg and "s3://bucket-name/prefix" in msg
+
+
+@pytest.mark.parametrize("uri", ['s3://bkt/a"b', "s3://bkt/it's", "s3://bkt/a\\b"])
+def test_an_s3_location_with_a_quote_or_backslash_is_refused(uri):
+    # S3 allows them; the location travels in an EC2 node's shell bootstrap and its JSON reports
+    msg = problems(sagemaker() | {"output_path": uri})
+    assert msg.startswith(f"output_path: {uri!r} holds a quote, a backslash or a control")
 
 
 def test_output_path_must_be_s3_for_cloud_targets():

@@ -123,7 +123,7 @@ def rendezvous(client, config: dict, node: Node, *, timeout_s: float,
             peers = [layout.read_json(client, bucket, k) for k in keys]
             return [p["ip"] for p in sorted(peers, key=lambda p: p["rank"])][:want]
         reports: list[tuple[str, str]] = []
-        peer_states(client, config, node, reports)
+        _quietly(peer_states, client, config, node, reports)  # S3 busy: look again
         failed = [host for host, state in reports if state == "failed"]
         if failed:  # e.g. its wheel never installed: it will never check in
             raise RuntimeError(f"rendezvous: node {failed[0]} failed before every node checked "
@@ -205,10 +205,13 @@ def run_agent(client, config: dict, node: Node, paths: contract.Paths,
                 print(f"dtrain: node {why['failed']} reported a failure: stopping this node's "
                       "workers now instead of waiting for their collectives to time out",
                       file=sys.stderr, flush=True)
-            elif "interrupting" in why:  # its workers stop after a checkpoint: so do these
-                print(f"dtrain: node {why['interrupting']} got a spot interruption notice: "
-                      "stopping this node's workers after a checkpoint too", file=sys.stderr,
-                      flush=True)
+            elif "interrupting" in why or "stopped" in why:
+                # a spot notice, max_run or a stop: its workers stop after a checkpoint, so do
+                # these (a quick one may write `stopped` before a poll sees `interrupting`)
+                host = why.get("interrupting") or why["stopped"]
+                print(f"dtrain: node {host} is stopping (a spot interruption notice, max_run or "
+                      "a stop): stopping this node's workers after a checkpoint too",
+                      file=sys.stderr, flush=True)
             else:
                 continue
             agent.send_signal(signal.SIGTERM)
