@@ -72,7 +72,7 @@ def test_plan_json_resolves_the_mesh(spec_file):
     result = dtrain("plan", str(spec_file), "-o", "json", "--set", "compute.target=ec2",
                     "--set", "compute.instance_type=p4d.24xlarge", "--set",
                     "compute.instance_count=2", "--set", "output_path=s3://dtrain-bucket/o",
-                    "--set", "ec2.instance_profile=dtrain-node")
+                    "--set", "ec2.instance_profile=dtrain-node", "--set", "ec2.subnet_id=subnet-1")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["world_size"] == 16

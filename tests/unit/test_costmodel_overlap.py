@@ -20,7 +20,7 @@ def p4d_50b(degree: int = 128) -> JobSpec:
         "hyperparameters": {"model": "gpt-neox-50b", "seq_len": 2048, "micro_batch_size": 1},
         "compute": {"target": "ec2", "instance_type": "p4d.24xlarge", "instance_count": 32},
         "distribution": {"sharding_degree": degree, "activation_checkpointing": True},
-        "ec2": {"instance_profile": "dtrain-node"},
+        "ec2": {"instance_profile": "dtrain-node", "subnet_id": "subnet-0123"},
     })
 
 

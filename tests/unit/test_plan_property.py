@@ -62,7 +62,8 @@ def specs(draw) -> dict:
         "compute": {"target": target, **compute}, "distribution": distribution,
         "output_path": "s3://dtrain-bucket/out" if target in ("sagemaker", "ec2") else None,
         "sagemaker": {"role": "arn:aws:iam::111122223333:role/Training"},
-        "slurm": {"shared_dir": "/fsx/dtrain"}, "ec2": {"instance_profile": "dtrain-node"},
+        "slurm": {"shared_dir": "/fsx/dtrain"},
+        "ec2": {"instance_profile": "dtrain-node", "subnet_id": "subnet-0123"},
     }
 
 
@@ -123,7 +124,7 @@ def test_the_issue_s_three_p4d_at_degree_12_plans_what_the_runtime_builds():
     data = {"name": "p", "entry_point": "recipe:causal_lm",
             "compute": {"target": "ec2", "instance_type": "p4d.24xlarge", "instance_count": 3},
             "distribution": {"sharding_degree": 12}, "output_path": "s3://dtrain-bucket/o",
-            "ec2": {"instance_profile": "dtrain-node"}}
+            "ec2": {"instance_profile": "dtrain-node", "subnet_id": "subnet-0123"}}
     printed = validate_and_plan(data)
     assert printed["parallelism"]["hierarchical_allgather"] is False
     assert runtime_plan(printed) == ParallelismPlan.from_dict(printed["parallelism"])

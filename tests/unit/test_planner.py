@@ -16,7 +16,8 @@ def p4d_job(nodes: int, degree, **hps) -> JobSpec:
         "entry_point": "recipe:causal_lm", "output_path": "s3://dtrain-test-bucket/out",
         "hyperparameters": {"seq_len": 2048, "micro_batch_size": 1, **hps},
         "compute": {"target": "ec2", "instance_type": "p4d.24xlarge", "instance_count": nodes},
-        "distribution": {"sharding_degree": degree}, "ec2": {"instance_profile": "dtrain-node"},
+        "distribution": {"sharding_degree": degree},
+        "ec2": {"instance_profile": "dtrain-node", "subnet_id": "subnet-0123"},
     })
 
 

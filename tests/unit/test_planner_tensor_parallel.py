@@ -19,7 +19,8 @@ def job(distribution: dict, *, nodes: int = 2, **hps) -> JobSpec:
         "hyperparameters": {"model": "gpt-neox-20b", "seq_len": 2048, "micro_batch_size": 1,
                             **hps},
         "compute": {"target": "ec2", "instance_type": "p4d.24xlarge", "instance_count": nodes},
-        "distribution": distribution, "ec2": {"instance_profile": "dtrain-node"},
+        "distribution": distribution,
+        "ec2": {"instance_profile": "dtrain-node", "subnet_id": "subnet-0123"},
     })
 
 

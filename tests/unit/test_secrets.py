@@ -64,7 +64,7 @@ def test_the_node_resolves_references_with_its_own_credentials():
 def test_ssh_open_to_the_world_is_refused_unless_allowed():
     base = {"entry_point": "recipe:causal_lm", "output_path": "s3://out-bkt/d",
             "compute": {"target": "ec2", "instance_type": "p4d.24xlarge"}}
-    profile = {"instance_profile": "dtrain-node"}
+    profile = {"instance_profile": "dtrain-node", "subnet_id": "subnet-0123"}
     with pytest.raises(SpecError, match=r"^ec2.ssh_cidr: 0.0.0.0/0 opens SSH to a large part of "
                                         r"the internet.*allow_open_ssh"):
         JobSpec.from_dict({**base, "ec2": {"ssh_cidr": "0.0.0.0/0", **profile}})
