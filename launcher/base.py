@@ -157,6 +157,11 @@ class PendingCleanup:
 Found = TypeVar("Found")
 
 
+# How long a submit this machine cannot watch (it ran on another host, or in another pid
+# namespace) may take before its job, still not made, counts as abandoned.
+OTHER_HOST_SUBMIT_S = 3600.0
+
+
 def follow_submitter(handle: Handle, find: Callable[[], Found | None], *,
                      made: str) -> tuple[Update | None, Found | None]:
     """What became of a job its target has not recorded yet, while ``submitter`` (the `dtrain
@@ -166,10 +171,10 @@ def follow_submitter(handle: Handle, find: Callable[[], Found | None], *,
     ``find()`` asks the target for the job the submit made, None if there is none. Returns
     ``(None, found)`` when the target has it: the caller adopts it (and clears ``submitter``;
     a ``Stopping`` record's stop, which that submit would have delivered, is the caller's to
-    deliver now); else ``(update, None)``: no change while the submit runs or where it cannot
-    be judged (it ran on another host), and once it is gone the job has ended: ``Failed``
-    ("lost"), or ``Stopped`` if a stop was asked. ``made`` ends "`dtrain submit` ended before
-    ...": what the target would have had."""
+    deliver now); else ``(update, None)``: no change while the submit runs, or, where it cannot
+    be judged (it ran on another host), for ``OTHER_HOST_SUBMIT_S`` after it began; once it is
+    gone the job has ended: ``Failed`` ("lost"), or ``Stopped`` if a stop was asked. ``made``
+    ends "`dtrain submit` ended before ...": what the target would have had."""
     alive, why = process.judge(handle.state.submitter)
     if alive:
         return Update(), None  # still submitting: nothing to ask the target yet
@@ -177,7 +182,9 @@ def follow_submitter(handle: Handle, find: Callable[[], Found | None], *,
     if found is not None:
         return None, found
     if alive is None:
-        return Update(), None
+        if time.time() - handle.job.submitted_at < OTHER_HOST_SUBMIT_S:
+            return Update(), None
+        why = f"{why}, more than {OTHER_HOST_SUBMIT_S / 3600:g} h ago"
     if handle.status == STOPPING:
         return Update(status=STOPPED, ended_at=time.time()), None  # "stopped by user" stays
     return Update(status=FAILED, ended_at=time.time(), failure_reason=(

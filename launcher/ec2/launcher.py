@@ -32,6 +32,7 @@ from dtrain.core.errors import DtrainError
 from dtrain.core.states import FAILED, FINAL_STATUSES, RUNNING, STOPPED, STOPPING
 from dtrain.launcher import agents, aws, process
 from dtrain.launcher.base import (
+    OTHER_HOST_SUBMIT_S,
     Handle,
     JobIdentity,
     Journal,
@@ -58,9 +59,6 @@ if TYPE_CHECKING:
     from dtrain.planning.planner import Plan
     from dtrain.spec.model import JobSpec
 
-# How long a launch whose launcher this machine cannot see (another host) may take before its
-# record, still without nodes, counts as abandoned.
-LAUNCH_TIMEOUT_S = 3600.0
 # `dtrain ec2 gc` leaves a launch it knows no record of alone this long: it may still be launching.
 GC_MIN_AGE_S = 1800.0
 
@@ -209,7 +207,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         owner = state_of(handle).submitter
         alive = process.process_alive(owner)
         if alive is None:  # launched from another host (or by an older dtrain): give it time
-            alive = self.clock().timestamp() - handle.job.submitted_at < LAUNCH_TIMEOUT_S
+            alive = self.clock().timestamp() - handle.job.submitted_at < OTHER_HOST_SUBMIT_S
         if alive:
             return None, {}, {}
         if handle.status == STOPPING:

@@ -603,6 +603,23 @@ def test_a_job_whose_submit_died_is_adopted_if_sagemaker_has_it_and_lost_if_not(
     assert jobs.get(alive.id, clients=clients).status == "Pending"  # still submitting: no call
 
 
+def test_a_job_whose_submit_ran_on_another_host_waits_an_hour_then_is_lost(submitted):
+    # this machine cannot see that submit's process: it is given an hour to create the job
+    _, facts, _ = submitted
+    store, clients, record = JobStore(), facts["clients"], facts["record"]
+    elsewhere = {**_this_process(), "host": "another-host"}
+    for hours, expected in ((0.5, "Pending"), (2, "Failed")):
+        name = f"pythia-1b-p4d-20261125-00000{int(hours * 2)}-000"
+        job = store.create(name=name, target="sagemaker", spec=record.spec,
+                           created_at=time.time() - hours * 3600, target_data={
+                               "training_job_name": name, "region": "us-east-1",
+                               "submitter": elsewhere})
+        seen = jobs.get(job.id, clients=clients)
+        assert seen.status == expected
+    assert seen.failure_reason.startswith("lost: `dtrain submit` ended before SageMaker created "
+                                          "the job (it ran on another-host, more than 1 h ago)")
+
+
 def test_a_stop_its_dead_submit_never_delivered_is_delivered_by_status(submitted):
     aws, facts, _ = submitted
     store, clients, record = JobStore(), facts["clients"], facts["record"]
