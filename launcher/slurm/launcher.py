@@ -6,8 +6,8 @@ each node writes its contract from. ``submit`` makes the job's folder under ``sl
 written exactly as dry-run printed it) and runs ``sbatch --parsable``. ``status`` asks
 ``squeue`` (``sacct`` once squeue has forgotten the job) and reads the nodes' reports in the job's
 folder (``layout``); a submit that died before it recorded sbatch's id leaves a job ``status``
-finds by its name and folder, or ends lost; ``stop`` is ``scancel``: Slurm's SIGTERM, then SIGKILL after its KillWait,
-so the workers checkpoint first. Nothing here writes the job store.
+finds by its name and folder, or ends lost; ``stop`` is ``scancel``: Slurm's SIGTERM, then
+SIGKILL after its KillWait, so the workers checkpoint first. Nothing here writes the job store.
 """
 
 from __future__ import annotations
@@ -145,9 +145,10 @@ class SlurmLauncher(Launcher):
             return Update()
         adopted: dict[str, Any] = {}
         if not state.slurm_job_id:
-            if state.submitter is None or (state.job_dir and process.find_running(
-                    script.sbatch_command(state.job_dir)[1:])):
-                return Update()  # (a killed submit's sbatch may still be talking to Slurm)
+            if state.submitter is None or process.judge(state.submitter)[0]:
+                return Update()  # still submitting: nothing to ask Slurm yet
+            if state.job_dir and process.find_running(script.sbatch_command(state.job_dir)[1:]):
+                return Update()  # a killed submit's sbatch may still be talking to Slurm
             waiting, found = follow_submitter(handle, lambda: self._queued(handle),
                                               made="sbatch queued the job")
             if waiting is not None:
