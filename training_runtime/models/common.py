@@ -294,10 +294,9 @@ class HFCompatibleModel(nn.Module):
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module."
 
 
-def _seed_of(*parts: bytes | str | int) -> int:
-    digest = hashlib.blake2b(digest_size=8)
-    for part in parts:
-        digest.update(part if isinstance(part, bytes) else str(part).encode() + b"\0")
+def _seed_of(seed: int, name: str) -> int:
+    """A parameter's own seed: the same on every rank and stage, another for every name."""
+    digest = hashlib.blake2b(f"{seed}\0{name}".encode(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 1  # a non-negative int64
 
 
