@@ -180,6 +180,18 @@ def _mlp_activations(model, grid: int, tp: int) -> dict:
             "grid": grid}
 
 
+def _shard_a_model_built_with_a_seed_per_rank(rt) -> str:
+    from dtrain.runtime.models import from_preset
+
+    ctx = rt.init(distribution=ONE_D)
+    torch.manual_seed(torch.distributed.get_rank())  # a script's mistake: weights per rank
+    try:
+        rt.shard(from_preset("gpt-neox-tiny"), ctx)
+    except ValueError as exc:
+        return str(exc)
+    return "sharded"
+
+
 def _export(model, ref, folder: str) -> torch.Tensor:
     from dtrain.runtime.train.checkpoint import save_hf_model
 
@@ -198,6 +210,7 @@ def _worker(rank: int, port: int, result_dir: str) -> None:
                 results[f"logits-{config_id(config)}"] = _export(model, ref, folder)
         results["checkpoints"] = _run_checkpoints(rt, os.path.join(result_dir, "ckpt"))
         results["activations"] = _run_activations(rt)
+        results["differing"] = _shard_a_model_built_with_a_seed_per_rank(rt)
 
     # one host: tensor-parallel groups inside it
     run_worker(rank, port, result_dir, world=WORLD, per_host=WORLD, body=body)
@@ -270,6 +283,12 @@ def test_the_hugging_face_export_of_a_tensor_parallel_run_loads_in_transformers(
     with torch.no_grad():
         logits = model.eval()(LOGITS_INPUT).logits
     torch.testing.assert_close(logits, results["ranks"][0][f"logits-{name}"], atol=1e-5, rtol=0)
+
+
+def test_a_model_whose_weights_differ_between_ranks_is_refused_with_the_fix(results):
+    for res in results["ranks"]:  # every rank, so none waits in a collective for the others
+        assert res["differing"].startswith("shard: the model's weights differ between ranks")
+        assert "torch.manual_seed(seed)" in res["differing"]
 
 
 def test_each_layout_keeps_less_for_backward_and_two_d_least(results):

@@ -146,8 +146,10 @@ class RuntimeContext:
         if self.mesh is not None:
             if plan != self.plan:
                 raise ValueError(
-                    f"this context already has a mesh for sharding_degree={self.sharding_degree}; "
-                    f"call dtrain.runtime.init() again for degree {plan.dp_shard}"
+                    f"this context already has a mesh for sharding_degree={self.sharding_degree} "
+                    "(the job's distribution settings); ask for degree "
+                    f"{plan.dp_shard} there, or in dtrain.runtime.init(distribution="
+                    f"{{'sharding_degree': {plan.dp_shard}}}), not in shard()"
                 )
             return self.mesh
         self.mesh = init_device_mesh(self.device.type, plan.mesh_shape,

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from dtrain.core.errors import ParallelismError
 from dtrain.core.parallelism import ParallelismPlan
 from dtrain.core.tensor_parallel import ModelDims
 from dtrain.runtime import torch_private
@@ -76,6 +77,7 @@ def shard(
     """
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
     _one_init_seed(model)
+    _check_same_model_everywhere(model, ctx)
     precision = mixed_precision or ctx.config.mixed_precision
     options = {
         "policy": build_mixed_precision_policy(precision, device=ctx.device),
@@ -134,7 +136,11 @@ def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
                           device_memory_bytes=device_memory_bytes(ctx),
                           model_dims=ModelDims.from_hf_config(config()) if config else None,
                           num_blocks=len(find_blocks(model, None)) if config else None)
-    assert plan is not None  # auto with a parameter count and a memory size always resolves
+    if plan is None:  # left to `dtrain submit` / `dtrain plan`, which see the whole job
+        raise ParallelismError(
+            "distribution.pipeline_parallel_degree",
+            "auto is resolved by `dtrain submit` and `dtrain plan` from the job's model and "
+            "instances; give a number when calling dtrain.runtime.init() yourself")
     return plan
 
 
@@ -266,6 +272,27 @@ def _one_init_seed(model: nn.Module) -> None:
     shared = [seed]
     dist.broadcast_object_list(shared, src=0)
     model.init_seed = shared[0]
+
+
+def _check_same_model_everywhere(model: nn.Module, ctx: RuntimeContext) -> None:
+    """Refuse a materialised model whose weights differ between ranks (a script that seeds each
+    rank differently before building it): replicas would train apart and shards would mix two
+    models, silently. Two checksums, compared exactly; the ranks agree on the outcome."""
+    params = [p for p in model.parameters() if not p.is_meta]
+    if not params or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        sums = torch.stack([sum(p.detach().double().sum() for p in params),
+                            sum(p.detach().double().abs().sum() for p in params)])
+    low, high = sums.to(ctx.device), sums.to(ctx.device, copy=True)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if not torch.equal(low, high):
+        raise ValueError(
+            "shard: the model's weights differ between ranks, so its replicas would train apart "
+            "and its shards mix different models; set the same seed on every rank before "
+            "building it (torch.manual_seed(seed)), or build it on the meta device "
+            "(device='meta'), where shard() initialises it alike on every rank")
 
 
 def _materialize_if_meta(model: nn.Module, ctx: RuntimeContext) -> None:
