@@ -18,19 +18,29 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from dtrain.core import names
-from dtrain.core.errors import DtrainError
+from dtrain.core.errors import DtrainError, SpecWarning
 from dtrain.core.states import COMPLETED, FINAL_STATUSES, PENDING
 
-# Arguments the SageMaker SDK accepts that have no meaning for dtrain; accepted and ignored.
-_IGNORED = ("sagemaker_session", "checkpoint_local_path", "debugger_hook_config",
-            "disable_profiler", "profiler_config", "container_log_level", "code_location",
-            "dependencies", "git_config", "rules", "metric_definitions",
-            "encrypt_inter_container_traffic",
+# Arguments the SageMaker SDK accepts that change nothing a dtrain job does: accepted, and each
+# one set is named in a warning (the session is dtrain's own: not even that).
+_IGNORED = ("sagemaker_session", "debugger_hook_config", "disable_profiler", "profiler_config",
+            "container_log_level", "code_location", "rules", "metric_definitions",
             "enable_sagemaker_metrics", "input_mode_channels")
+_SILENT = ("sagemaker_session",)
+# Arguments whose meaning dtrain cannot keep: refused with the way to get it (a job that ran
+# without them would differ from the one asked for).
+_REFUSED = {
+    "checkpoint_local_path": "dtrain's jobs checkpoint in the contract's folder "
+                             "(/opt/ml/checkpoints, ctx.checkpoint_dir); write checkpoints there",
+    "dependencies": "copy those folders into source_dir",
+    "git_config": "clone the repository and pass its folder as source_dir",
+}
+_CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 
 
 class PyTorch:
@@ -50,12 +60,22 @@ class PyTorch:
                  volume_kms_key: str | None = None, output_kms_key: str | None = None,
                  keep_alive_period_in_seconds: int | None = None,
                  enable_network_isolation: bool = False, max_retry_attempts: int | None = None,
-                 input_mode: str = "File", clients: dict[str, Any] | None = None,
-                 **kwargs: Any):
-        unknown = sorted(set(kwargs) - set(_IGNORED))
+                 input_mode: str = "File", encrypt_inter_container_traffic: bool = False,
+                 clients: dict[str, Any] | None = None, **kwargs: Any):
+        if kwargs.get("checkpoint_local_path") in (None, _CHECKPOINT_LOCAL_PATH):
+            kwargs.pop("checkpoint_local_path", None)  # SageMaker's default is dtrain's too
+        for name, how in _REFUSED.items():
+            if kwargs.get(name):
+                raise DtrainError(f"PyTorch({name}=...): dtrain cannot keep its meaning; {how}")
+        unknown = sorted(set(kwargs) - set(_IGNORED) - set(_REFUSED))
         if unknown:
             raise DtrainError(f"PyTorch({unknown[0]}=...): not supported by dtrain.sagemaker; "
                               "remove it (see the dtrain docs for supported arguments)")
+        ignored = sorted(n for n in kwargs if n not in _SILENT and kwargs[n] is not None)
+        if ignored:
+            warnings.warn(f"PyTorch({', '.join(ignored)}): not used by dtrain (no SageMaker "
+                          "debugger, profiler or metric definitions run; the code goes under "
+                          "output_path); ignored", SpecWarning, stacklevel=2)
         self.entry_point, self.source_dir = entry_point, source_dir
         self.role, self.instance_type, self.instance_count = role, instance_type, instance_count
         self.hyperparameters = dict(hyperparameters or {})
@@ -74,6 +94,7 @@ class PyTorch:
         self.enable_network_isolation = enable_network_isolation
         self.max_retry_attempts = max_retry_attempts
         self.input_mode = input_mode
+        self.encrypt_inter_container_traffic = encrypt_inter_container_traffic
         self.clients = clients  # boto3 clients for the SageMaker target (tests pass moto's)
         self._launcher: Any = None
         self._job: _RecordedJob | _DescribedJob | None = None
@@ -89,6 +110,7 @@ class PyTorch:
         sm = {"role": self.role, "image_uri": self.image_uri, "subnets": self.subnets or [],
               "security_group_ids": self.security_group_ids or [],
               "enable_network_isolation": self.enable_network_isolation,
+              "encrypt_inter_container_traffic": self.encrypt_inter_container_traffic,
               "input_mode": self.input_mode, "volume_kms_key_id": self.volume_kms_key,
               "output_kms_key_id": self.output_kms_key,
               "keep_alive_period": self.keep_alive_period_in_seconds,
@@ -296,15 +318,32 @@ def _channels(inputs: Any) -> dict[str, str]:
     return {"training": _uri(inputs)}
 
 
+# A TrainingInput's settings a dtrain channel has (an S3 prefix every host gets whole; the job's
+# one input mode, sagemaker.input_mode): any other value is refused, not dropped.
+_CHANNEL_AS_DTRAIN = {"S3DataType": "S3Prefix", "S3DataDistributionType": "FullyReplicated"}
+
+
 def _uri(value: Any) -> str:
     if isinstance(value, str):
         return value
     config = getattr(value, "config", None)  # sagemaker.inputs.TrainingInput
     try:
-        return config["DataSource"]["S3DataSource"]["S3Uri"]
+        source = config["DataSource"]["S3DataSource"]
+        uri = source["S3Uri"]
     except (TypeError, KeyError):
         raise DtrainError(f"fit inputs: {value!r} is not an s3:// URI or TrainingInput; "
                           "give 's3://bucket/prefix'") from None
+    for key, ours in _CHANNEL_AS_DTRAIN.items():
+        if source.get(key, ours) != ours:
+            raise DtrainError(
+                f"fit inputs: TrainingInput({uri!r}) asks for {key} {source[key]!r}; a dtrain "
+                f"channel is an {ours} S3 prefix (every host gets it whole; the script or "
+                "dtrain's data loader splits it by rank): give the prefix")
+    mode = config.get("InputMode")
+    if mode is not None:
+        raise DtrainError(f"fit inputs: TrainingInput({uri!r}, input_mode={mode!r}): dtrain has "
+                          "one input mode for the job; pass PyTorch(input_mode=...) instead")
+    return uri
 
 
 def to_model_trainer(spec: Any) -> Any:

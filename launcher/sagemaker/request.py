@@ -107,6 +107,8 @@ def create_training_job(spec: JobSpec, plan: Plan, *, job_name: str, image_uri: 
         "StoppingCondition": _stopping_condition(spec),
         "Tags": _tags(spec, job_name),
         "EnableNetworkIsolation": sm.enable_network_isolation,
+        **({"EnableInterContainerTrafficEncryption": True}
+           if sm.encrypt_inter_container_traffic else {}),
         "EnableManagedSpotTraining": spec.compute.use_spot,
         "CheckpointConfig": {"S3Uri": checkpoint_s3_uri(spec, job_name),
                              "LocalPath": CHECKPOINT_LOCAL_PATH},

@@ -67,7 +67,10 @@ def _translate_parameters(params: dict, out: dict, notes: list[str]) -> None:
         elif key == "tensor_parallel_degree":
             out["tensor_parallel_degree"] = value
         elif key == "ddp_dist_backend":
-            out["backend"] = value
+            out["backend"] = "auto" if value == "smddp" else value
+            if value == "smddp":
+                notes.append(f"distribution.{where} smddp: dtrain's backend auto (NCCL on GPUs, "
+                             "with dtrain's topology-aware collectives)")
         elif key in ("bf16", "fp16") and value is True:
             out["mixed_precision"] = key
         elif key in ("activation_checkpointing", "gradient_accumulation_steps"):
@@ -99,6 +102,10 @@ def _translate_pipeline(params: dict, out: dict, notes: list[str]) -> None:
         notes.append(f"distribution.{where}: microbatches, pipeline, auto_partition and "
                      "active_microbatches apply to pipeline_parallel_degree above 1; ignored")
         return
+    if "microbatches" not in params or "pipeline" not in params:
+        notes.append(f"distribution.{where}: SMP's pipeline defaults (pipeline interleaved, 1 "
+                     "micro-batch) are not copied; dtrain plans the schedule and micro-batches "
+                     "(pipeline_schedule, microbatches: auto); give both to keep SMP's")
     if "microbatches" in params:
         out["microbatches"] = params["microbatches"]
     if "pipeline" in params:

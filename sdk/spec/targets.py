@@ -45,6 +45,9 @@ class SageMakerOptions(_Model):
         0, ge=0, le=30, description="SageMaker RetryStrategy: retries on internal errors."
     )
     enable_network_isolation: bool = Field(False, description="Block outbound network access.")
+    encrypt_inter_container_traffic: bool = Field(
+        False, description="Encrypt the traffic between the job's instances (slower collectives)."
+    )
     volume_kms_key_id: str | None = Field(None, description="KMS key for the storage volume.")
     output_kms_key_id: str | None = Field(None, description="KMS key for the output artifacts.")
 

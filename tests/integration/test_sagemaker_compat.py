@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dtrain.core.errors import DtrainError
+from dtrain.core.errors import DtrainError, SpecWarning
 from dtrain.sagemaker import PyTorch, to_model_trainer
 from dtrain.testing import moto_aws  # noqa: F401
 
@@ -105,6 +105,41 @@ def test_a_single_s3_input_is_the_training_channel():
 def test_unsupported_argument_is_a_one_line_error():
     with pytest.raises(DtrainError, match=r"PyTorch\(warm_start_config=...\): not supported"):
         estimator(warm_start_config=object())
+
+
+@pytest.mark.parametrize("argument,value,fix", [
+    ("checkpoint_local_path", "/opt/ml/ckpt", "write checkpoints there"),
+    ("dependencies", ["lib/"], "copy those folders into source_dir"),
+    ("git_config", {"repo": "https://example.com/r.git"}, "clone the repository")])
+def test_an_argument_whose_meaning_dtrain_cannot_keep_is_refused_not_dropped(argument, value,
+                                                                              fix):
+    with pytest.raises(DtrainError, match=rf"PyTorch\({argument}=...\): dtrain cannot keep its "
+                                          rf"meaning; .*{fix}"):
+        estimator(**{argument: value})
+    estimator(checkpoint_local_path="/opt/ml/checkpoints")  # SageMaker's default is dtrain's
+
+
+def test_an_argument_that_changes_nothing_is_named_in_a_warning_and_encryption_is_kept():
+    with pytest.warns(SpecWarning, match=r"PyTorch\(disable_profiler, metric_definitions\): "
+                                         "not used by dtrain"):
+        job = estimator(disable_profiler=True, metric_definitions=[], sagemaker_session=object(),
+                        encrypt_inter_container_traffic=True)
+    assert job.to_spec().sagemaker.encrypt_inter_container_traffic is True
+
+
+def test_a_training_input_dtrain_cannot_carry_is_refused():
+    from types import SimpleNamespace
+
+    def training_input(**source):
+        return SimpleNamespace(config={"DataSource": {"S3DataSource": {
+            "S3DataType": "S3Prefix", "S3Uri": "s3://b-ucket/train",
+            "S3DataDistributionType": "FullyReplicated", **source}}})
+
+    assert estimator().to_spec(training_input()).inputs == {"training": "s3://b-ucket/train"}
+    with pytest.raises(DtrainError, match="asks for S3DataDistributionType 'ShardedByS3Key'"):
+        estimator().to_spec(training_input(S3DataDistributionType="ShardedByS3Key"))
+    with pytest.raises(DtrainError, match="asks for S3DataType 'ManifestFile'"):
+        estimator().to_spec(training_input(S3DataType="ManifestFile"))
 
 
 def test_to_model_trainer_without_the_sdk_says_how_to_install_it(monkeypatch):

@@ -109,6 +109,8 @@ FIELD_IN_REQUEST = {
     "sagemaker.security_group_ids": lambda r: r["VpcConfig"]["SecurityGroupIds"],
     "sagemaker.retry_attempts": lambda r: r["RetryStrategy"]["MaximumRetryAttempts"],
     "sagemaker.enable_network_isolation": lambda r: r["EnableNetworkIsolation"],
+    "sagemaker.encrypt_inter_container_traffic":
+        lambda r: r.get("EnableInterContainerTrafficEncryption", False),
     "sagemaker.volume_kms_key_id": lambda r: r["ResourceConfig"]["VolumeKmsKeyId"],
     "sagemaker.output_kms_key_id": lambda r: r["OutputDataConfig"]["KmsKeyId"],
 }
@@ -184,12 +186,14 @@ def test_no_field_set_in_the_example_is_silently_dropped():
         assert FIELD_IN_REQUEST[path](request) == expected, path
 
 
-def test_keep_alive_and_network_isolation_reach_the_request():
+def test_keep_alive_network_isolation_and_traffic_encryption_reach_the_request():
     request = build(example_spec("compute.use_spot=false", "compute.max_wait=null",
                                  "sagemaker.keep_alive_period=600",
-                                 "sagemaker.enable_network_isolation=true"))
+                                 "sagemaker.enable_network_isolation=true",
+                                 "sagemaker.encrypt_inter_container_traffic=true"))
     assert request["ResourceConfig"]["KeepAlivePeriodInSeconds"] == 600
     assert request["EnableNetworkIsolation"] is True
+    assert request["EnableInterContainerTrafficEncryption"] is True
     assert "MaxWaitTimeInSeconds" not in request["StoppingCondition"]
 
 

@@ -234,6 +234,18 @@ class TestSmpDistributionTranslation:
         dist = spec.distribution
         assert (dist.sharding_degree, dist.backend, dist.mixed_precision) == (16, "nccl", "bf16")
 
+    def test_smddp_backend_is_dtrain_s_auto_with_a_note(self):
+        smp = {"smdistributed": {"modelparallel": {"parameters": {
+            "hybrid_shard_degree": 8, "ddp_dist_backend": "smddp"}}}}
+        with pytest.warns(SpecWarning, match="ddp_dist_backend smddp: dtrain's backend auto"):
+            spec = JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": smp})
+        assert spec.distribution.backend == "auto"
+
+    def test_smp_pipeline_defaults_left_out_are_said_not_copied(self):
+        smp = {"smdistributed": {"modelparallel": {"parameters": {"partitions": 2}}}}
+        with pytest.warns(SpecWarning, match="SMP's pipeline defaults .* are not copied"):
+            JobSpec.from_dict(sagemaker() | {"distribution": smp})
+
     def test_v2_hybrid_shard_degree_dict(self):
         smp = {"torch_distributed": {"enabled": True}, "smdistributed": {"modelparallel": {
             "enabled": True, "parameters": {"hybrid_shard_degree": 8}}}}
