@@ -31,13 +31,15 @@ class Estimator:
                  max_wait: int | str | None = None, volume_size: int | None = None,
                  role: str | None = None,
                  tags: dict[str, str] | list[dict[str, str]] | None = None,
+                 checkpoint: dict[str, Any] | None = None,
                  sagemaker: dict[str, Any] | None = None, ec2: dict[str, Any] | None = None,
                  slurm: dict[str, Any] | None = None, clients: dict[str, Any] | None = None):
         """The job spec's fields as keyword arguments (SageMaker SDK names where it has one:
-        ``use_spot_instances``, ``volume_size``, ``checkpoint_s3_uri``, ``role``); ``sagemaker``,
-        ``ec2`` and ``slurm`` are the spec's sections of those names (``role`` goes into
-        ``sagemaker``). ``base_job_name`` is made a valid name (``my_job`` -> ``my-job``), as
-        the SageMaker SDK does; ``name`` is taken as given."""
+        ``use_spot_instances``, ``volume_size``, ``checkpoint_s3_uri``, ``role``); ``checkpoint``,
+        ``sagemaker``, ``ec2`` and ``slurm`` are the spec's sections of those names (``role``
+        goes into ``sagemaker``, ``checkpoint_s3_uri`` into ``checkpoint``); the inputs are
+        ``fit``'s. ``base_job_name`` is made a valid name (``my_job`` -> ``my-job``), as the
+        SageMaker SDK does; ``name`` is taken as given."""
         from dtrain.core import names
 
         compute: dict[str, Any] = {
@@ -57,9 +59,9 @@ class Estimator:
             "distribution": dict(distribution or {}), "output_path": output_path,
             "environment": dict(environment or {}), "tags": tags or {},
         }
-        if checkpoint_s3_uri:
-            self.spec_data["checkpoint"] = {"uri": checkpoint_s3_uri}
         sections = {"sagemaker": {**(sagemaker or {}), **({"role": role} if role else {})},
+                    "checkpoint": {**(checkpoint or {}),
+                                   **({"uri": checkpoint_s3_uri} if checkpoint_s3_uri else {})},
                     "ec2": dict(ec2 or {}), "slurm": dict(slurm or {})}
         self.spec_data.update({key: value for key, value in sections.items() if value})
         self.clients = clients

@@ -46,16 +46,19 @@ _CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
 class PyTorch:
     """A SageMaker SDK v2 ``sagemaker.pytorch.PyTorch`` look-alike that submits through dtrain."""
 
-    def __init__(self, entry_point: str, source_dir: str | None = None, *, role: str | None = None,
+    # The SageMaker SDK v2's positional order (entry_point, framework_version, py_version,
+    # source_dir, hyperparameters, image_uri, distribution); every other argument by name.
+    def __init__(self, entry_point: str, framework_version: str | None = None,
+                 py_version: str | None = None, source_dir: str | None = None,
+                 hyperparameters: dict[str, Any] | None = None, image_uri: str | None = None,
+                 distribution: dict[str, Any] | None = None, *, role: str | None = None,
                  instance_type: str | None = None, instance_count: int = 1,
-                 hyperparameters: dict[str, Any] | None = None,
-                 distribution: dict[str, Any] | None = None, output_path: str | None = None,
+                 output_path: str | None = None,
                  checkpoint_s3_uri: str | None = None, use_spot_instances: bool = False,
                  max_run: int = 86400, max_wait: int | None = None,
                  environment: dict[str, str] | None = None,
                  tags: list[dict[str, str]] | None = None, subnets: list[str] | None = None,
-                 security_group_ids: list[str] | None = None, image_uri: str | None = None,
-                 framework_version: str | None = None, py_version: str | None = None,
+                 security_group_ids: list[str] | None = None,
                  base_job_name: str | None = None, volume_size: int = 30,
                  volume_kms_key: str | None = None, output_kms_key: str | None = None,
                  keep_alive_period_in_seconds: int | None = None,

@@ -30,9 +30,11 @@ def explain(exc: ValidationError, root: type[BaseModel]) -> list[str]:
         kind = error["type"]
         if kind == "value_error":
             message = str(error.get("ctx", {}).get("error") or error["msg"])
-            # Cross-field rules already name their fields; field validators get the path here.
+            # Cross-field rules already name their fields, and so may a field validator that
+            # names a part of its field (inputs.train); the others get the path here.
             lines = message.split("\n")
-            problems.extend(f"{path}: {line}" if path else line for line in lines)
+            problems.extend(f"{path}: {line}" if path and not line.startswith(f"{path}.")
+                            else line for line in lines)
         elif kind == "extra_forbidden":
             problems.append(_unknown_field(root, loc))
         else:

@@ -98,6 +98,15 @@ def test_estimator_arguments_become_the_spec():
     assert spec.sagemaker.subnets == ["subnet-1"] and spec.hyperparameters == {"epochs": 2}
 
 
+def test_positional_arguments_are_in_the_sagemaker_sdk_s_order():
+    # PyTorch(entry_point, framework_version, py_version, source_dir, ...) in SDK v2
+    job = PyTorch("train.py", "2.10", "py312", str(ROOT / "examples" / "sagemaker_src"),
+                  role="arn:aws:iam::123456789012:role/R", instance_type="ml.p4d.24xlarge",
+                  output_path="s3://b-ucket/out", sagemaker_session=None)
+    assert (job.framework_version, job.py_version) == ("2.10", "py312")
+    assert job.source_dir.endswith("sagemaker_src")
+
+
 def test_a_single_s3_input_is_the_training_channel():
     assert estimator().to_spec("s3://b-ucket/data").inputs == {"training": "s3://b-ucket/data"}
 

@@ -491,7 +491,8 @@ def test_estimator_fit_goes_through_the_job_store_with_the_name_it_is_given(moto
     moto_aws.s3.create_bucket(Bucket=BUCKET)
     client = moto_aws.client("sagemaker")
     sent = capture_create(client)
-    estimator = PyTorch("train.py", str(make_source(tmp_path / "src")),
+    estimator = PyTorch("train.py",
+                        source_dir=str(make_source(tmp_path / "src")),
                         role=moto_aws.role_arn, instance_type="ml.p4d.24xlarge",
                         instance_count=2, output_path=f"s3://{BUCKET}/dtrain", image_uri="img:1",
                         clients={"sagemaker_client": client, "stream": io.StringIO()})
@@ -555,7 +556,8 @@ def test_estimator_fit_tells_which_smp_keys_dtrain_ignores(moto_aws, tmp_path): 
     from dtrain.sagemaker import PyTorch
 
     moto_aws.s3.create_bucket(Bucket=BUCKET)
-    estimator = PyTorch("train.py", str(make_source(tmp_path / "src")),
+    estimator = PyTorch("train.py",
+                        source_dir=str(make_source(tmp_path / "src")),
                         role=moto_aws.role_arn, instance_type="ml.p4d.24xlarge",
                         instance_count=2, output_path=f"s3://{BUCKET}/dtrain", image_uri="img:1",
                         distribution={"smdistributed": {"modelparallel": {

@@ -50,6 +50,11 @@ def test_every_target_s_settings_can_be_given_from_python(tmp_path):
     assert sagemaker.sagemaker.role.endswith(":role/r") and sagemaker.sagemaker.region == \
         "us-west-2"
     assert (sagemaker.compute.max_run, sagemaker.compute.max_wait) == (7200, 10800)
+    kept = Estimator(**common, role="arn:aws:iam::123456789012:role/r",
+                     checkpoint_s3_uri="s3://my-bucket/ckpt",
+                     checkpoint={"interval_steps": 50, "keep_last": 3},
+                     sagemaker={"region": "us-west-2"}).spec().checkpoint
+    assert (kept.uri, kept.interval_steps, kept.keep_last) == ("s3://my-bucket/ckpt", 50, 3)
 
 
 def test_client_side_job_modules_do_not_import_torch():

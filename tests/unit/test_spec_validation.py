@@ -116,7 +116,8 @@ def test_durations_accept_units():
 @pytest.mark.parametrize("uri", ["s3://Bad_Bucket/x", "s3:/bucket/x", "s3://ab", "s3://a..b/c"])
 def test_malformed_s3_uri_is_rejected(uri):
     msg = problems(sagemaker() | {"inputs": {"train": uri}})
-    assert "inputs.train" in msg and repr(uri) in msg and "s3://bucket-name/prefix" in msg
+    assert msg.startswith(f"inputs.train: {uri!r} is not a valid S3 URI")  # the path once
+    assert "s3://bucket-name/prefix" in msg
 
 
 @pytest.mark.parametrize("uri", ['s3://bkt/a"b', "s3://bkt/it's", "s3://bkt/a\\b"])
