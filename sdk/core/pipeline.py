@@ -380,3 +380,10 @@ def transformer_unit_costs(config: Mapping[str, Any], *, seq_len: int, micro_bat
     units.append(UnitCost("head", 3 * 2 * tokens * h * vocab, head,
                           tokens * vocab * bytes_per_value))
     return units
+
+
+def tied_head_problem(model_type: str) -> str:
+    """Why a model whose output layer shares the token embedding cannot be pipelined."""
+    return (f"{model_type} here ties its output layer to the token embedding "
+            "(tie_word_embeddings), which the first and the last pipeline stage cannot share; "
+            "set tie_word_embeddings false in the model config, or pipeline_parallel_degree 1")

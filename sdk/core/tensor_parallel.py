@@ -120,3 +120,33 @@ def sequence_parallel_enabled(setting: Any, *, tp: int, mode: str, explicit_tp: 
     if setting == "auto":
         return tp > 1 and mode == "1d"
     return bool(setting) and tp > 1
+
+
+# The families with 2-D (Optimus) plans; every family has 1-D ones.
+TWO_D_FAMILIES = ("gpt_neox", "gpt2")
+
+
+def two_d_family_problem(model_type: str | None) -> str | None:
+    """Why a ``model_type`` cannot run 2-D tensor parallelism (None: it can)."""
+    if model_type in TWO_D_FAMILIES:
+        return None
+    return (f"2d has plans for {', '.join(TWO_D_FAMILIES)}, not {model_type}; use "
+            "tensor_parallel_mode 1d")
+
+
+def sequence_split_problem(positions: int, ways: int) -> str | None:
+    """Why sequence parallelism cannot split ``positions`` over ``ways`` ranks (None: it can)."""
+    if positions % ways == 0:
+        return None
+    return (f"sequence parallelism splits each sequence over {ways} ranks, but it has "
+            f"{positions} positions; use a seq_len that is a multiple of {ways}, or "
+            "sequence_parallel: false")
+
+
+def grid_batch_problem(sequences: int, rows: int) -> str | None:
+    """Why a 2-D grid of ``rows`` rows cannot split a micro-batch of ``sequences`` (None: it
+    can)."""
+    if sequences % rows == 0:
+        return None
+    return (f"2-D tensor parallelism splits each micro-batch over {rows} grid rows, but it has "
+            f"{sequences} sequences; use a micro_batch_size that is a multiple of {rows}")

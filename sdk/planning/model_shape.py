@@ -38,6 +38,8 @@ class ModelShape:
     micro_batch_size: int
     num_heads: int | None = None
     intermediate_size: int | None = None
+    model_type: str | None = None  # known for a preset or HF folder, as are the two below
+    tied_embeddings: bool = False  # the output layer shares the token embedding
 
     @property
     def dims(self) -> ModelDims | None:
@@ -77,6 +79,9 @@ def model_shape(hps: dict[str, Any]) -> ModelShape | None:
             num_heads=int(shape["num_heads"]) if shape["num_heads"] else None,
             intermediate_size=(int(shape["intermediate_size"]) if shape["intermediate_size"]
                                else None),
+            model_type=config.get("model_type"),
+            # dtrain's families tie unless the config says not (HF's default too)
+            tied_embeddings=bool(config) and bool(config.get("tie_word_embeddings", True)),
         )
     except (TypeError, ValueError):
         raise SpecError(

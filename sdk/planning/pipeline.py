@@ -230,7 +230,9 @@ def choose_layout(distribution: dict, *, world_size: int, devices_per_node: int,
            else tp_degrees(devices_per_node, distribution.get("tensor_parallel_mode", "1d"),
                            model.dims))
     candidates = []
-    for pp in [d for d in range(1, model.num_layers + 1) if world_size % d == 0]:
+    # a tied output layer cannot be cut from the embedding it shares: no pipeline for it
+    deepest = 1 if model.tied_embeddings else model.num_layers
+    for pp in [d for d in range(1, deepest + 1) if world_size % d == 0]:
         for tp in [t for t in tps if world_size % (pp * t) == 0]:
             dp = world_size // (pp * tp)
             shards = ([distribution["sharding_degree"]]

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dtrain.core import instances
+from dtrain.core import pipeline as ppl
+from dtrain.core import tensor_parallel as tpl
 from dtrain.core.errors import SpecError
 from dtrain.core.parallelism import ParallelismError, ParallelismPlan, build_parallelism_plan
 from dtrain.core.sizing import DEFAULT_HEADROOM
@@ -156,6 +158,8 @@ def plan(spec: JobSpec) -> Plan:
     choice = pipelining.auto_layout(spec, model, work, cluster, notes) \
         if dist.pipeline_parallel_degree == "auto" else None
     parallelism = choice.plan if choice else _parallelism(spec, model, work, notes)
+    if parallelism and model:
+        _refuse_what_the_runtime_would(parallelism, model, spec.hyperparameters)
     degree = parallelism.dp_shard if parallelism else None
     layout = _layout(parallelism)
     piped = pipelining.estimate(
@@ -187,6 +191,31 @@ def plan(spec: JobSpec) -> Plan:
                 tensor_parallel_reason="auto: weighed with the pipeline (see layout)" if choice
                 else _tensor_parallel_reason(spec, parallelism, model, work),
                 pipeline=piped, layout_choice=choice)
+
+
+def _refuse_what_the_runtime_would(plan: ParallelismPlan, model: ModelShape,
+                                   hps: dict[str, Any]) -> None:
+    """The model and batch checks the runtime makes at its first step, made here instead, so
+    `dtrain plan` and submit refuse the job before any instance is paid for (one message,
+    the runtime's, from ``dtrain.core``). The batch shape is checked where the recipe's
+    hyperparameters give it (``seq_len``, ``micro_batch_size``)."""
+    if plan.pp > 1 and model.tied_embeddings:
+        raise SpecError("distribution.pipeline_parallel_degree: "
+                        + ppl.tied_head_problem(model.model_type or model.source))
+    problems = []
+    if plan.tp_grid:
+        if model.model_type:
+            problems.append(("distribution.tensor_parallel_mode",
+                             tpl.two_d_family_problem(model.model_type)))
+        if "micro_batch_size" in hps:
+            problems.append(("hyperparameters.micro_batch_size",
+                             tpl.grid_batch_problem(model.micro_batch_size, plan.tp_grid)))
+    elif plan.tp > 1 and plan.sequence_parallel and "seq_len" in hps:
+        problems.append(("hyperparameters.seq_len",
+                         tpl.sequence_split_problem(model.seq_len, plan.tp)))
+    for where, problem in problems:
+        if problem:
+            raise SpecError(f"{where}: {problem}")
 
 
 def resolve_mixed_precision(requested: str, inst: instances.InstanceType) -> str:

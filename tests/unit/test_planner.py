@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dtrain.core import parallelism as partitioning
+from dtrain.core.errors import SpecError
 from dtrain.planning import costmodel
 from dtrain.planning.planner import plan
 from dtrain.spec.model import JobSpec
@@ -159,3 +160,28 @@ def test_price_override_is_used():
     spec = p4d_job(2, 8, model="pythia-70m")
     spec.compute.price_per_hour = 10.0
     assert plan(spec).cost_per_hour == 20.0
+
+
+@pytest.mark.parametrize("overrides,said", [
+    ({"pipeline_parallel_degree": 2},
+     "distribution.pipeline_parallel_degree: gpt2 here ties its output layer"),
+    ({"tensor_parallel_degree": 2, "hps": {"seq_len": 63}},
+     "hyperparameters.seq_len: sequence parallelism splits each sequence over 2 ranks"),
+    ({"tensor_parallel_degree": 4, "tensor_parallel_mode": "2d",
+      "hps": {"micro_batch_size": 3}},
+     "hyperparameters.micro_batch_size: 2-D tensor parallelism splits each micro-batch over 2"),
+    ({"tensor_parallel_degree": 4, "tensor_parallel_mode": "2d",
+      "hps": {"model": "gpt-j-tiny"}},
+     "distribution.tensor_parallel_mode: 2d has plans for gpt_neox, gpt2, not gptj"),
+], ids=["tied-head-pipelined", "sequence-split", "grid-batch", "2d-family"])
+def test_the_plan_refuses_what_the_runtime_would_at_its_first_step(overrides, said):
+    # before, `dtrain plan` printed a plan and the job failed on its paid instances
+    hps = {"model": "gpt2-tiny", "seq_len": 64, "micro_batch_size": 2,
+           **overrides.pop("hps", {})}
+    spec = JobSpec.from_dict({
+        "entry_point": "recipe:causal_lm", "hyperparameters": hps,
+        "compute": {"instance_type": "local", "instance_count": 1, "processes_per_instance": 4},
+        "distribution": {"sharding_degree": 1, **overrides}})
+    with pytest.raises(SpecError) as caught:
+        plan(spec)
+    assert str(caught.value).startswith(said)

@@ -47,8 +47,9 @@ def test_two_d_keeps_half_the_layer_activations_of_one_d_without_sequence_parall
 
 
 def test_plan_memory_follows_the_layout():
-    def activations(**dist):
-        return plan(job({"sharding_degree": 4, **dist})).memory.activation_gib
+    def activations(micro_batch_size=1, **dist):
+        return plan(job({"sharding_degree": 4, **dist},
+                        micro_batch_size=micro_batch_size)).memory.activation_gib
 
     # h 6144, 2048 tokens, bf16, 44 layers; logits 2048 x 50432 x (2 + 4) bytes split over tp
     layer = 6144 * 2048 * 2 * 44 / GIB
@@ -56,8 +57,9 @@ def test_plan_memory_follows_the_layout():
     assert activations(tensor_parallel_degree=4, sequence_parallel=False) == \
         pytest.approx(6 * layer + logits / 4)
     assert activations(tensor_parallel_degree=4) == pytest.approx(4.5 * layer + logits / 4)
-    assert activations(tensor_parallel_degree=4, tensor_parallel_mode="2d") == \
-        pytest.approx(3 * layer + logits / 4)
+    # a 2 x 2 grid splits each micro-batch over its rows: 2 sequences, twice the tokens
+    assert activations(tensor_parallel_degree=4, tensor_parallel_mode="2d",
+                       micro_batch_size=2) == pytest.approx(2 * (3 * layer + logits / 4))
 
 
 def test_one_d_tensor_parallel_bytes_are_four_all_reduces_per_layer_plus_two():

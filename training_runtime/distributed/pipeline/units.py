@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from dtrain.core import pipeline as ppl
 from dtrain.runtime.models.common import HFCompatibleModel
 from torch import nn
 
@@ -105,11 +106,8 @@ def model_units(model: nn.Module) -> list[Unit]:
 def check_untied(model: nn.Module) -> None:
     """Stages cannot share a parameter: the embeddings sit on the first, the head on the last."""
     if getattr(model, "tie_word_embeddings", False) and getattr(model, "_tied_weights_keys", None):
-        raise ValueError(
-            f"distribution.pipeline_parallel_degree: {model.model_type} here ties its output "
-            "layer to the token embedding (tie_word_embeddings), which the first and the last "
-            "pipeline stage cannot share; set tie_word_embeddings false in the model config, or "
-            "pipeline_parallel_degree 1")
+        raise ValueError("distribution.pipeline_parallel_degree: "
+                         + ppl.tied_head_problem(model.model_type))
 
 
 def graft(root: nn.Module, path: str, module: nn.Module) -> None:

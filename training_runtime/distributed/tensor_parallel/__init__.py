@@ -27,7 +27,6 @@ from torch.distributed.device_mesh import DeviceMesh
 # model_type -> the module holding its plans
 FAMILIES = {"gpt_neox": "gpt_neox", "gpt2": "gpt2", "gptj": "gptj", "gpt_neo": "gpt_neo",
             "bert": "bert", "roberta": "bert"}
-TWO_D_FAMILIES = ("gpt_neox", "gpt2")
 
 
 def check_model(model: nn.Module, plan: ParallelismPlan) -> None:
@@ -39,10 +38,9 @@ def check_model(model: nn.Module, plan: ParallelismPlan) -> None:
             f"{field}: tensor parallelism has plans for dtrain's model families "
             f"({', '.join(sorted(FAMILIES))}), not {type(model).__name__}; build the model with "
             "dtrain.runtime.models or set tensor_parallel_degree 1")
-    if plan.tp_grid and model_type not in TWO_D_FAMILIES:
-        raise ValueError(
-            f"distribution.tensor_parallel_mode: 2d has plans for {', '.join(TWO_D_FAMILIES)}, "
-            f"not {model_type}; use tensor_parallel_mode 1d")
+    problem = tpl.two_d_family_problem(model_type) if plan.tp_grid else None
+    if problem:
+        raise ValueError(f"distribution.tensor_parallel_mode: {problem}")
     dims = tpl.ModelDims.from_hf_config(model.hf_config_dict())
     allowed = tpl.candidate_degrees(plan.devices_per_node, plan.tp_mode, dims)
     problem = tpl.shape_problem(plan.tp, plan.tp_mode, dims, allowed=allowed)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dtrain.core import tensor_parallel as tpl
 from dtrain.core.parallelism import GRID_AXES
 from dtrain.runtime.distributed.tensor_parallel.layouts import children as children_of
 from dtrain.runtime.distributed.tensor_parallel.layouts import present, share_heads
@@ -129,10 +130,9 @@ class GridEmbedding(nn.Embedding):
         return _grid_module(cls, embedding, grid, copy=_EMBEDDING, params={"weight": ABT})
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.shape[0] % self.grid.q:
-            raise ValueError(f"2-D tensor parallelism splits each micro-batch over {self.grid.q} "
-                             f"grid rows, but it has {ids.shape[0]} sequences; use a "
-                             f"micro_batch_size that is a multiple of {self.grid.q}")
+        problem = tpl.grid_batch_problem(ids.shape[0], self.grid.q)
+        if problem:
+            raise ValueError(problem)
         table = self.weight.to_local()
         return _GridLookup.apply(ids, table, self.grid.row * table.shape[0], self.grid)
 

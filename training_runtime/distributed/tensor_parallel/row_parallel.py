@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dtrain.core import tensor_parallel as tpl
 from dtrain.runtime.models.common import Activation, activation_then_matmul
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,10 +42,9 @@ class _SumPartialsOverSequence(torch.autograd.Function):
     def forward(ctx, partial, group):
         ctx.group = group
         ways = group.size()
-        if partial.shape[1] % ways:
-            raise ValueError(f"sequence parallelism splits each sequence over {ways} ranks, but "
-                             f"it has {partial.shape[1]} positions; use a seq_len that is a "
-                             f"multiple of {ways}, or sequence_parallel: false")
+        problem = tpl.sequence_split_problem(partial.shape[1], ways)
+        if problem:
+            raise ValueError(problem)
         moved = partial.transpose(0, 1).contiguous()  # collectives split dim 0
         out = moved.new_empty(moved.shape[0] // ways, *moved.shape[1:])
         dist.reduce_scatter_single(out, moved, group=group)
