@@ -170,10 +170,14 @@ def _schedule(name: Any, per_rank: Any, *, pp: int, microbatches: int, dp_shard:
 def _auto_schedule(per_rank: Any, *, pp: int, microbatches: int, dp_shard: int | None,
                    num_blocks: int | None) -> str:
     """Interleave two stages per rank when the model is known to have the blocks for it (a
-    smaller bubble), zero-bubble where no partition group reshards parameters (it needs them kept
-    whole between forward and backward); else 1F1B, or GPipe below ``pp`` micro-batches."""
+    smaller bubble), or the stages per rank given are more than one; zero-bubble where no
+    partition group reshards parameters (it needs them kept whole between forward and
+    backward); else 1F1B, or GPipe below ``pp`` micro-batches."""
     stages = 2 if per_rank == "auto" else per_rank
-    if per_rank != 1 and num_blocks is not None and num_blocks >= stages * pp:
+    # several stages a rank asked for by number: interleaved (the block count, once the model is
+    # known, is checked with the partition); asked for by auto: only where the blocks are there
+    enough = num_blocks >= stages * pp if num_blocks is not None else per_rank != "auto"
+    if per_rank != 1 and enough:
         name = "interleaved-zero-bubble" if dp_shard == 1 else "interleaved-1f1b"
         if microbatch_problem(name, microbatches=microbatches, pp=pp) is None:
             return name

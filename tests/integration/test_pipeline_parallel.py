@@ -32,6 +32,9 @@ FOUR_RANKS = {s: ({"pipeline_parallel_degree": 2, "sharding_degree": 2, "pipelin
 FOUR_RANKS["1f1b"][1]["accumulation"] = 2
 FOUR_RANKS["1f1b-reshard"] = ({"pipeline_parallel_degree": 2, "sharding_degree": 2,
                                "pipeline_schedule": "1f1b"}, {"reshard_after_forward": True})
+# The schedule left automatic, as a hand-run script may: the runtime picks it with the model
+# (4 blocks: two stages a rank, zero-bubble as nothing reshards), as `dtrain submit` would.
+TWO_RANKS["auto"] = ({"pipeline_parallel_degree": 2, "sharding_degree": 1}, {})
 # Built on the meta device and initialised per stage (two stages a rank: 4 in all).
 TWO_RANKS["interleaved-1f1b"][1]["meta"] = True
 TWO_RANKS["zbv"][1]["meta"] = True
@@ -110,6 +113,11 @@ def test_stages_sit_on_hosts_and_only_their_transfers_cross_between_hosts(four):
             assert stats[kind]["inter_bytes"] == 0, kind
         # a step's loss reaches every rank from the last stage: one scalar across the hosts
         assert stats["all_reduce"]["inter_bytes"] <= 16
+
+
+def test_an_automatic_schedule_is_chosen_with_the_model_however_the_plan_was_made(two):
+    plan = two[0]["auto"]["plan"]
+    assert (plan["pipeline_schedule"], plan["stages_per_rank"]) == ("interleaved-zero-bubble", 2)
 
 
 def test_interleaving_puts_two_stages_on_each_rank_in_a_loop_or_a_v(two):

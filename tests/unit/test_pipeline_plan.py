@@ -172,3 +172,11 @@ class TestPartition:
         block = 3 * (2 * tokens * (4 * 64 * 64 + 2 * 64 * 256) + 4 * 2 * 16 * 16 * 64)
         assert [c.flops for c in costs] == [0, block, block, 3 * 2 * tokens * 64 * 512]
         assert costs[0].output_bytes == tokens * 64 * 2
+
+
+def test_stages_per_rank_given_with_the_schedule_left_automatic_interleave_without_the_model():
+    # a hand-run script's init() plans before it has the model; two stages a rank asked for by
+    # number is an interleaved schedule, not 1f1b refusing them
+    chosen = plan({"pipeline_parallel_degree": 2, "stages_per_rank": 2})
+    assert (chosen.pipeline_schedule, chosen.stages_per_rank) == ("interleaved-zero-bubble", 2)
+    assert plan({"pipeline_parallel_degree": 2}).pipeline_schedule == "1f1b"  # auto: blocks?

@@ -318,9 +318,19 @@ def init(
             planned.world_size, planned.devices_per_node, facts.world_size,
             facts.local_world_size)
     plan = ctx.build_plan()
-    if plan is not None:
+    if plan is not None and not _schedule_waits_for_the_model(config, plan):
         ctx.build_mesh(plan)
     return ctx
+
+
+def _schedule_waits_for_the_model(config: DistributionConfig, plan: ParallelismPlan) -> bool:
+    """A pipeline plan made here, not the launcher's (which knew the model), whose schedule or
+    stages per rank are automatic: they depend on the model's block count, so ``shard`` plans
+    them with the model, as it does an automatic sharding degree (the same settings then give
+    the same schedule however the script was started)."""
+    inputs = config.plan_inputs()
+    return plan.pp > 1 and plan != config.parallelism and "auto" in (
+        inputs["pipeline_schedule"], inputs["stages_per_rank"])
 
 
 def _show_runtime_logs(rank: int) -> None:
