@@ -34,7 +34,9 @@ def translate_distribution(data: Any) -> tuple[Any, list[str]]:
     if _enabled(data.get("pytorchddp")):
         out.setdefault("sharding_degree", 1)
     if "mpi" in data:
-        notes.append("distribution.mpi is ignored: dtrain starts workers with torch elastic")
+        notes.append("distribution.mpi is not used: dtrain starts workers with torch elastic; "
+                     "processes per host are compute.processes_per_instance "
+                     "(dtrain.sagemaker.PyTorch reads mpi.processes_per_host into it)")
     smp = data.get("smdistributed")
     if isinstance(smp, dict):
         for key in smp:
@@ -102,7 +104,7 @@ def _translate_pipeline(params: dict, out: dict, notes: list[str]) -> None:
         notes.append(f"distribution.{where}: microbatches, pipeline, auto_partition and "
                      "active_microbatches apply to pipeline_parallel_degree above 1; ignored")
         return
-    if "microbatches" not in params or "pipeline" not in params:
+    if degree not in (0, 1) and ("microbatches" not in params or "pipeline" not in params):
         notes.append(f"distribution.{where}: SMP's pipeline defaults (pipeline interleaved, 1 "
                      "micro-batch) are not copied; dtrain plans the schedule and micro-batches "
                      "(pipeline_schedule, microbatches: auto); give both to keep SMP's")

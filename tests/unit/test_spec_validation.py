@@ -246,6 +246,11 @@ class TestSmpDistributionTranslation:
         smp = {"smdistributed": {"modelparallel": {"parameters": {"partitions": 2}}}}
         with pytest.warns(SpecWarning, match="SMP's pipeline defaults .* are not copied"):
             JobSpec.from_dict(sagemaker() | {"distribution": smp})
+        no_pipeline = {"smdistributed": {"modelparallel": {"parameters": {
+            "hybrid_shard_degree": 8}}}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to say without a pipeline
+            JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": no_pipeline})
 
     def test_v2_hybrid_shard_degree_dict(self):
         smp = {"torch_distributed": {"enabled": True}, "smdistributed": {"modelparallel": {
