@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import sys
 import time
 import warnings
@@ -65,7 +67,8 @@ class PyTorch:
                  enable_network_isolation: bool = False, max_retry_attempts: int | None = None,
                  input_mode: str = "File", encrypt_inter_container_traffic: bool = False,
                  clients: dict[str, Any] | None = None, **kwargs: Any):
-        if kwargs.get("checkpoint_local_path") in (None, _CHECKPOINT_LOCAL_PATH):
+        local_path = kwargs.get("checkpoint_local_path")
+        if local_path is None or os.path.normpath(local_path) == _CHECKPOINT_LOCAL_PATH:
             kwargs.pop("checkpoint_local_path", None)  # SageMaker's default is dtrain's too
         for name, how in _REFUSED.items():
             if kwargs.get(name):
@@ -74,7 +77,10 @@ class PyTorch:
         if unknown:
             raise DtrainError(f"PyTorch({unknown[0]}=...): not supported by dtrain.sagemaker; "
                               "remove it (see the dtrain docs for supported arguments)")
-        ignored = sorted(n for n in kwargs if n not in _SILENT and kwargs[n] is not None)
+        # a false value (disable_profiler=False, metric_definitions=[]) or the SDK's default
+        # log level asks for nothing dtrain leaves out
+        ignored = sorted(n for n, v in kwargs.items() if n not in _SILENT and v
+                         and not (n == "container_log_level" and v == logging.INFO))
         if ignored:
             warnings.warn(f"PyTorch({', '.join(ignored)}): not used by dtrain (no SageMaker "
                           "debugger, profiler or metric definitions run; the code goes under "
@@ -130,7 +136,7 @@ class PyTorch:
                         "instance_count": self.instance_count, "volume_size_gb": self.volume_size,
                         "use_spot": self.use_spot_instances, "max_run": self.max_run,
                         "max_wait": self.max_wait},
-            "inputs": _channels(inputs), "output_path": self.output_path,
+            "inputs": _channels(inputs, mode=self.input_mode), "output_path": self.output_path,
             "checkpoint": {"uri": self.checkpoint_s3_uri}, "environment": self.environment,
             "tags": self.tags,
             "sagemaker": {k: v for k, v in sm.items() if v is not None},
@@ -310,15 +316,15 @@ def _transition_printer(name: str | None) -> Callable[[dict[str, Any]], None]:
     return report
 
 
-def _channels(inputs: Any) -> dict[str, str]:
+def _channels(inputs: Any, *, mode: str) -> dict[str, str]:
     """``fit`` inputs (str, dict of str/TrainingInput, or one TrainingInput) -> channel URIs."""
     if inputs is None:
         return {}
     if isinstance(inputs, str):
         return {"training": inputs}
     if isinstance(inputs, dict):
-        return {name: _uri(value) for name, value in inputs.items()}
-    return {"training": _uri(inputs)}
+        return {name: _uri(value, mode=mode) for name, value in inputs.items()}
+    return {"training": _uri(inputs, mode=mode)}
 
 
 # A TrainingInput's settings a dtrain channel has (an S3 prefix every host gets whole; the job's
@@ -326,7 +332,7 @@ def _channels(inputs: Any) -> dict[str, str]:
 _CHANNEL_AS_DTRAIN = {"S3DataType": "S3Prefix", "S3DataDistributionType": "FullyReplicated"}
 
 
-def _uri(value: Any) -> str:
+def _uri(value: Any, *, mode: str) -> str:
     if isinstance(value, str):
         return value
     config = getattr(value, "config", None)  # sagemaker.inputs.TrainingInput
@@ -342,10 +348,11 @@ def _uri(value: Any) -> str:
                 f"fit inputs: TrainingInput({uri!r}) asks for {key} {source[key]!r}; a dtrain "
                 f"channel is an {ours} S3 prefix (every host gets it whole; the script or "
                 "dtrain's data loader splits it by rank): give the prefix")
-    mode = config.get("InputMode")
-    if mode is not None:
-        raise DtrainError(f"fit inputs: TrainingInput({uri!r}, input_mode={mode!r}): dtrain has "
-                          "one input mode for the job; pass PyTorch(input_mode=...) instead")
+    own = config.get("InputMode")
+    if own not in (None, mode):
+        raise DtrainError(f"fit inputs: TrainingInput({uri!r}, input_mode={own!r}): dtrain has "
+                          f"one input mode for the job ({mode}); pass PyTorch(input_mode=...) "
+                          "instead")
     return uri
 
 

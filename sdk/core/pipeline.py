@@ -179,7 +179,10 @@ def _auto_schedule(per_rank: Any, *, pp: int, microbatches: int, dp_shard: int |
     enough = num_blocks >= stages * pp if num_blocks is not None else per_rank != "auto"
     if per_rank != 1 and enough:
         name = "interleaved-zero-bubble" if dp_shard == 1 else "interleaved-1f1b"
-        if microbatch_problem(name, microbatches=microbatches, pp=pp) is None:
+        # stages asked for by number stay interleaved: a micro-batch count it cannot run is
+        # then said for that schedule, not as 1f1b refusing the stages
+        if per_rank != "auto" or microbatch_problem(name, microbatches=microbatches,
+                                                    pp=pp) is None:
             return name
     return "1f1b" if microbatches >= pp else "gpipe"
 

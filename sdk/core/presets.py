@@ -155,6 +155,18 @@ def get_preset(name: str) -> dict[str, Any]:
         ) from None
 
 
+# Whether a family's output layer shares the token embedding when its config.json does not say
+# (Hugging Face's defaults: GPT-NeoX and GPT-J configs default to untied, the others to tied).
+_TIED_BY_DEFAULT = {"gpt_neox": False, "gptj": False}
+
+
+def ties_embeddings(config: dict[str, Any]) -> bool:
+    """Whether the model ``config`` (a ``config.json``) describes ties its output layer to the
+    token embedding; the runtime's models and the planner both read it here."""
+    default = _TIED_BY_DEFAULT.get(config.get("model_type"), True)
+    return bool(config.get("tie_word_embeddings", default))
+
+
 def count_parameters(config: dict[str, Any]) -> int:
     """Parameter count of a transformer from its HF-style config (planning accuracy).
 

@@ -80,8 +80,7 @@ def model_shape(hps: dict[str, Any]) -> ModelShape | None:
             intermediate_size=(int(shape["intermediate_size"]) if shape["intermediate_size"]
                                else None),
             model_type=config.get("model_type"),
-            # dtrain's families tie unless the config says not (HF's default too)
-            tied_embeddings=bool(config) and bool(config.get("tie_word_embeddings", True)),
+            tied_embeddings=bool(config) and presets.ties_embeddings(config),
         )
     except (TypeError, ValueError):
         raise SpecError(

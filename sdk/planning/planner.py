@@ -159,7 +159,8 @@ def plan(spec: JobSpec) -> Plan:
         if dist.pipeline_parallel_degree == "auto" else None
     parallelism = choice.plan if choice else _parallelism(spec, model, work, notes)
     if parallelism and model:
-        _refuse_what_the_runtime_would(parallelism, model, spec.hyperparameters)
+        _refuse_what_the_runtime_would(parallelism, model,
+                                       spec.hyperparameters if spec.is_recipe else {})
     degree = parallelism.dp_shard if parallelism else None
     layout = _layout(parallelism)
     piped = pipelining.estimate(
@@ -197,8 +198,9 @@ def _refuse_what_the_runtime_would(plan: ParallelismPlan, model: ModelShape,
                                    hps: dict[str, Any]) -> None:
     """The model and batch checks the runtime makes at its first step, made here instead, so
     `dtrain plan` and submit refuse the job before any instance is paid for (one message,
-    the runtime's, from ``dtrain.core``). The batch shape is checked where the recipe's
-    hyperparameters give it (``seq_len``, ``micro_batch_size``)."""
+    the runtime's, from ``dtrain.core``). The batch shape is checked where a recipe's
+    hyperparameters give it (``seq_len``, ``micro_batch_size``; a script's ``hps`` are not
+    passed: its names may mean something else)."""
     if plan.pp > 1 and model.tied_embeddings:
         raise SpecError("distribution.pipeline_parallel_degree: "
                         + ppl.tied_head_problem(model.model_type or model.source))

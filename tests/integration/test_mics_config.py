@@ -135,6 +135,8 @@ def test_one_process_run_shards_a_meta_model_and_calls_init_weights(one_process_
     assert all(not p.is_meta for p in model.parameters())
     assert all(torch.all(p.full_tensor() == 0.5) for p in model.parameters())
     assert "CheckpointWrapper" in type(model.blocks[0]).__name__
+    with pytest.raises(ValueError, match="_Model is sharded already .* call shard\\(\\) once"):
+        rt.shard(model, ctx)  # before, a cryptic DTensor error from deep inside
     for micro in ctx.accumulate(model, [torch.ones(2, 8)] * 3, micro_batches_per_step=2):
         micro.scale(model(micro.batch).float().sum()).backward()
     assert model.out.weight.grad is not None

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -131,9 +132,14 @@ def test_an_argument_whose_meaning_dtrain_cannot_keep_is_refused_not_dropped(arg
 def test_an_argument_that_changes_nothing_is_named_in_a_warning_and_encryption_is_kept():
     with pytest.warns(SpecWarning, match=r"PyTorch\(disable_profiler, metric_definitions\): "
                                          "not used by dtrain"):
-        job = estimator(disable_profiler=True, metric_definitions=[], sagemaker_session=object(),
+        job = estimator(disable_profiler=True, sagemaker_session=object(),
+                        metric_definitions=[{"Name": "loss", "Regex": "loss=(.*)"}],
                         encrypt_inter_container_traffic=True)
     assert job.to_spec().sagemaker.encrypt_inter_container_traffic is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # values that ask for nothing: no warning
+        estimator(disable_profiler=False, metric_definitions=[], container_log_level=20,
+                  debugger_hook_config=False, checkpoint_local_path="/opt/ml/checkpoints/")
 
 
 def test_a_training_input_dtrain_cannot_carry_is_refused():
@@ -145,6 +151,13 @@ def test_a_training_input_dtrain_cannot_carry_is_refused():
             "S3DataDistributionType": "FullyReplicated", **source}}})
 
     assert estimator().to_spec(training_input()).inputs == {"training": "s3://b-ucket/train"}
+    same_mode = training_input()
+    same_mode.config["InputMode"] = "File"  # the job's own mode: nothing to refuse
+    assert estimator().to_spec(same_mode).inputs == {"training": "s3://b-ucket/train"}
+    other_mode = training_input()
+    other_mode.config["InputMode"] = "Pipe"
+    with pytest.raises(DtrainError, match="one input mode for the job"):
+        estimator().to_spec(other_mode)
     with pytest.raises(DtrainError, match="asks for S3DataDistributionType 'ShardedByS3Key'"):
         estimator().to_spec(training_input(S3DataDistributionType="ShardedByS3Key"))
     with pytest.raises(DtrainError, match="asks for S3DataType 'ManifestFile'"):

@@ -123,6 +123,18 @@ def test_a_layout_model_leaves_the_rng_alone_and_the_next_model_built_differs():
     assert not torch.equal(first.gpt_neox.embed_in.weight, second.gpt_neox.embed_in.weight)
 
 
+@pytest.mark.parametrize("model_type,tied", [("gpt_neox", False), ("gptj", False),
+                                              ("gpt2", True), ("bert", True)])
+def test_a_config_that_does_not_say_ties_as_its_family_does_on_the_hub(model_type, tied):
+    # GPT-NeoX and GPT-J configs default to untied: a NeoX folder without the key was tied
+    from dtrain.core.presets import ties_embeddings
+
+    config = {k: v for k, v in get_preset(f"{model_type.replace('_', '-').replace('gptj', 'gpt-j')}"
+                                            "-tiny").items() if k != "tie_word_embeddings"}
+    assert ties_embeddings(config) is tied
+    assert build_model(config, device="meta").tie_word_embeddings is tied
+
+
 def test_init_weights_reties_embeddings_broken_by_to_empty():
     model = from_preset("gpt-neox-tiny", tie_word_embeddings=True, device="meta")
     model.to_empty(device="cpu")

@@ -98,6 +98,8 @@ class RuntimeContext:
     mesh: DeviceMesh | None = None
     _hierarchy: HierarchyGroups | None = field(default=None, repr=False)
     _override_logged: bool = field(default=False, repr=False)
+    # the plan's pipeline schedule waits for the model (``shard`` plans it again, same mesh)
+    schedule_pending: bool = field(default=False, repr=False)
 
     rank = property(lambda self: self.facts.rank)
     local_rank = property(lambda self: self.facts.local_rank)
@@ -144,6 +146,8 @@ class RuntimeContext:
                 f"node, but this job runs {self.world_size}, {self.local_world_size} per node; "
                 "submit the job again so the plan matches")
         if self.mesh is not None:
+            if self.schedule_pending and plan.mesh_shape == self.plan.mesh_shape:
+                self.plan, self.schedule_pending = plan, False  # the schedule, with the model
             if plan != self.plan:
                 raise ValueError(
                     f"this context already has a mesh for sharding_degree={self.sharding_degree} "
@@ -318,16 +322,17 @@ def init(
             planned.world_size, planned.devices_per_node, facts.world_size,
             facts.local_world_size)
     plan = ctx.build_plan()
-    if plan is not None and not _schedule_waits_for_the_model(config, plan):
+    if plan is not None:
         ctx.build_mesh(plan)
+        ctx.schedule_pending = _schedule_waits_for_the_model(config, plan)
     return ctx
 
 
 def _schedule_waits_for_the_model(config: DistributionConfig, plan: ParallelismPlan) -> bool:
     """A pipeline plan made here, not the launcher's (which knew the model), whose schedule or
     stages per rank are automatic: they depend on the model's block count, so ``shard`` plans
-    them with the model, as it does an automatic sharding degree (the same settings then give
-    the same schedule however the script was started)."""
+    them again with the model (the degrees, and so the mesh and ``dp_rank``, stay): the same
+    settings then give the same schedule however the script was started."""
     inputs = config.plan_inputs()
     return plan.pp > 1 and plan != config.parallelism and "auto" in (
         inputs["pipeline_schedule"], inputs["stages_per_rank"])

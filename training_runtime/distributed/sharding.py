@@ -75,9 +75,12 @@ def shard(
     and initialised with its ``init_weights()``. ``fusion_buffer_bytes`` sizes the overlapped
     gradient sync's buffers (``gradient_sync: overlapped`` in the plan).
     """
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError(f"shard: {type(model).__name__} is sharded already (its parameters are "
+                         "DTensors); call shard() once per model")
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
-    _one_init_seed(model)
     _check_same_model_everywhere(model, ctx)
+    _one_init_seed(model)
     precision = mixed_precision or ctx.config.mixed_precision
     options = {
         "policy": build_mixed_precision_policy(precision, device=ctx.device),
@@ -128,7 +131,8 @@ def _shard_part(model: nn.Module, ctx: RuntimeContext, *, blocks: list[nn.Module
 def _resolve_plan(model: nn.Module, ctx: RuntimeContext,
                   override: int | None) -> ParallelismPlan:
     """The context's plan; with ``override`` or ``auto`` the same planning function again."""
-    if ctx.plan is not None and override in (None, ctx.plan.dp_shard):
+    if ctx.plan is not None and override in (None, ctx.plan.dp_shard) and \
+            not ctx.schedule_pending:
         return ctx.plan
     config = getattr(model, "hf_config_dict", None)
     plan = ctx.build_plan(sharding_degree=override,
@@ -275,24 +279,33 @@ def _one_init_seed(model: nn.Module) -> None:
 
 
 def _check_same_model_everywhere(model: nn.Module, ctx: RuntimeContext) -> None:
-    """Refuse a materialised model whose weights differ between ranks (a script that seeds each
-    rank differently before building it): replicas would train apart and shards would mix two
-    models, silently. Two checksums, compared exactly; the ranks agree on the outcome."""
-    params = [p for p in model.parameters() if not p.is_meta]
-    if not params or not dist.is_initialized() or dist.get_world_size() == 1:
+    """Refuse a model whose weights differ between ranks (a script that seeds each rank
+    differently before building it on a real device): its replicas would train apart and its
+    shards mix different models, silently. So is a model on the meta device on some ranks only.
+    One collective every rank takes, whatever its model: three numbers compared exactly."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    real = [p for p in model.parameters() if not p.is_meta]
     with torch.no_grad():
-        sums = torch.stack([sum(p.detach().double().sum() for p in params),
-                            sum(p.detach().double().abs().sum() for p in params)])
+        sums = torch.stack([
+            torch.tensor(float(len(real) < len(list(model.parameters()))), dtype=torch.float64),
+            sum((p.detach().double().sum() for p in real), torch.zeros((), dtype=torch.float64)),
+            sum((p.detach().double().abs().sum() for p in real),
+                torch.zeros((), dtype=torch.float64))]).nan_to_num()
     low, high = sums.to(ctx.device), sums.to(ctx.device, copy=True)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if low[0] != high[0]:
+        raise ValueError("shard: the model is on the meta device on some ranks and built on "
+                         "others; build it the same way on every rank")
     if not torch.equal(low, high):
+        meta = " or build it on the meta device (device='meta'), where shard() initialises " \
+            "it alike on every rank with its init_weights()" \
+            if callable(getattr(model, "init_weights", None)) else ""
         raise ValueError(
             "shard: the model's weights differ between ranks, so its replicas would train apart "
             "and its shards mix different models; set the same seed on every rank before "
-            "building it (torch.manual_seed(seed)), or build it on the meta device "
-            "(device='meta'), where shard() initialises it alike on every rank")
+            f"building it (torch.manual_seed(seed)){meta}")
 
 
 def _materialize_if_meta(model: nn.Module, ctx: RuntimeContext) -> None:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+from dtrain.core.presets import ties_embeddings
 from dtrain.runtime.models.attention import check_backend
 from torch import nn
 
@@ -240,7 +241,7 @@ class HFCompatibleModel(nn.Module):
         self.attention_backend = check_backend(attention)
         self.hf_config = dict(hf_config)
         self.initializer_range = float(hf_config.get("initializer_range") or 0.02)
-        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", True))
+        self.tie_word_embeddings = ties_embeddings({"model_type": self.model_type, **hf_config})
         # Drawn when the model is built (the next model differs), used whenever it initialises:
         # what runs between (sharding, pipeline partitioning) changes nothing.
         self.init_seed = int(torch.randint(2**62, (), device="cpu"))

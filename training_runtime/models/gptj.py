@@ -150,9 +150,7 @@ class GPTJForCausalLM(HFCompatibleModel):
     _ignored_hf_keys = (r"\.attn\.(bias|masked_bias|embed_positions)$",)
 
     def __init__(self, hf_config: dict[str, Any], *, attention: str = "flash") -> None:
-        # GPT-J's released checkpoints do not tie; HF's config defaults to untied as well
-        hf_config = {"tie_word_embeddings": False, **hf_config}
-        super().__init__(hf_config, attention=attention)
+        super().__init__(hf_config, attention=attention)  # untied unless the config ties
         self.config = GPTJConfig.from_hf(hf_config)
         self.transformer = GPTJModel(self.config, backend=attention)
         self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size)
