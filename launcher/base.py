@@ -162,6 +162,15 @@ Found = TypeVar("Found")
 OTHER_HOST_SUBMIT_S = 3600.0
 
 
+def judge_submitter(handle: Handle, *, now: float) -> tuple[bool | None, str]:
+    """``process.judge`` of the record's submitter, where one this machine cannot watch (None:
+    it ran on another host) counts as gone ``OTHER_HOST_SUBMIT_S`` after the submit began."""
+    alive, why = process.judge(handle.state.submitter)
+    if alive is None and now - handle.job.submitted_at >= OTHER_HOST_SUBMIT_S:
+        return False, f"{why}, more than {OTHER_HOST_SUBMIT_S / 3600:g} h ago"
+    return alive, why
+
+
 def follow_submitter(handle: Handle, find: Callable[[], Found | None], *,
                      made: str) -> tuple[Update | None, Found | None]:
     """What became of a job its target has not recorded yet, while ``submitter`` (the `dtrain
@@ -175,16 +184,14 @@ def follow_submitter(handle: Handle, find: Callable[[], Found | None], *,
     be judged (it ran on another host), for ``OTHER_HOST_SUBMIT_S`` after it began; once it is
     gone the job has ended: ``Failed`` ("lost"), or ``Stopped`` if a stop was asked. ``made``
     ends "`dtrain submit` ended before ...": what the target would have had."""
-    alive, why = process.judge(handle.state.submitter)
+    alive, why = judge_submitter(handle, now=time.time())
     if alive:
         return Update(), None  # still submitting: nothing to ask the target yet
     found = find()
     if found is not None:
         return None, found
     if alive is None:
-        if time.time() - handle.job.submitted_at < OTHER_HOST_SUBMIT_S:
-            return Update(), None
-        why = f"{why}, more than {OTHER_HOST_SUBMIT_S / 3600:g} h ago"
+        return Update(), None
     if handle.status == STOPPING:
         return Update(status=STOPPED, ended_at=time.time()), None  # "stopped by user" stays
     return Update(status=FAILED, ended_at=time.time(), failure_reason=(

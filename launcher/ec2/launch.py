@@ -135,18 +135,19 @@ class Launch:
         """The launch's nodes not terminated, listed by tag (for the rollback). ``patient``:
         a RunInstances call never answered, and EC2 may list the node it made only after a
         while, so the first list is repeated (``UNANSWERED_LISTS`` times) until it shows one."""
-        tries = [UNANSWERED_LISTS if patient else 1]
+        waits = UNANSWERED_LISTS - 1 if patient else 0
 
         def relist() -> list[str]:
-            while True:
-                found = res.job_instance_ids(self.ec2, self.request.job.name, launch=token)
-                tries[0] -= 1
-                if found or tries[0] <= 0:
-                    tries[0] = 0
-                    return found
+            nonlocal waits
+            found = res.job_instance_ids(self.ec2, self.request.job.name, launch=token)
+            while not found and waits:
+                waits -= 1
                 self.out.write("looking again for a node the cut-off RunInstances may have "
                                "made (EC2 lists new nodes after a delay)\n")
                 sleep(UNANSWERED_WAIT_S)
+                found = res.job_instance_ids(self.ec2, self.request.job.name, launch=token)
+            waits = 0  # only the first list waits
+            return found
         return relist
 
     def _error(self, exc: BaseException, left: list[str]) -> BaseException:

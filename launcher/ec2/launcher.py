@@ -32,7 +32,6 @@ from dtrain.core.errors import DtrainError
 from dtrain.core.states import FAILED, FINAL_STATUSES, RUNNING, STOPPED, STOPPING
 from dtrain.launcher import agents, aws, process
 from dtrain.launcher.base import (
-    OTHER_HOST_SUBMIT_S,
     Handle,
     JobIdentity,
     Journal,
@@ -40,6 +39,7 @@ from dtrain.launcher.base import (
     PendingCleanup,
     Request,
     Update,
+    judge_submitter,
 )
 from dtrain.launcher.ec2 import cleanup, gc, launch, nodes
 from dtrain.launcher.ec2 import logs as s3_logs
@@ -205,10 +205,8 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         """A job whose ``submit`` has not finished: nothing changes while its launcher runs;
         once that process is gone the job has ended (Failed, or Stopped if `dtrain stop` asked)."""
         owner = state_of(handle).submitter
-        alive = process.process_alive(owner)
-        if alive is None:  # launched from another host (or by an older dtrain): give it time
-            alive = self.clock().timestamp() - handle.job.submitted_at < OTHER_HOST_SUBMIT_S
-        if alive:
+        # launched from another host (or by an older dtrain): given time, then judged gone
+        if judge_submitter(handle, now=self.clock().timestamp())[0] is not False:
             return None, {}, {}
         if handle.status == STOPPING:
             return STOPPED, {"failure_reason": handle.failure_reason or STOP_REASON}, {}

@@ -285,13 +285,12 @@ def _check_same_model_everywhere(model: nn.Module, ctx: RuntimeContext) -> None:
     One collective every rank takes, whatever its model: three numbers compared exactly."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    real = [p for p in model.parameters() if not p.is_meta]
-    with torch.no_grad():
-        sums = torch.stack([
-            torch.tensor(float(len(real) < len(list(model.parameters()))), dtype=torch.float64),
-            sum((p.detach().double().sum() for p in real), torch.zeros((), dtype=torch.float64)),
-            sum((p.detach().double().abs().sum() for p in real),
-                torch.zeros((), dtype=torch.float64))]).nan_to_num()
+    params = list(model.parameters())
+    real = [p for p in params if not p.is_meta]
+    sums = torch.tensor([  # one parameter in float64 at a time
+        float(len(real) < len(params)), sum(float(p.detach().double().sum()) for p in real),
+        sum(float(p.detach().double().abs().sum()) for p in real)],
+        dtype=torch.float64).nan_to_num()
     low, high = sums.to(ctx.device), sums.to(ctx.device, copy=True)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
