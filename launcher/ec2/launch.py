@@ -1,12 +1,13 @@
-"""``Ec2Launcher.submit``'s work: lookups, uploads, groups, then one node at a time.
+"""``Ec2Launcher.submit``'s work: lookups, uploads, groups, then every node in one request.
 
 The launch is recorded first (its token and prefix; ``submit`` recorded the launching process),
 so a launcher killed outright leaves a record ``status`` can end, and `dtrain ec2 gc` on this
-machine knows the launch is under way. Before the groups and before each node the launch reads the record again: a
-`dtrain stop` meanwhile (or another client that gave the launch up) makes it roll back. Any
-failure after the first resource exists — ``InsufficientInstanceCapacity`` on node 2, Ctrl-C,
-anything — terminates every node launched and deletes what was created, records the job Failed
-(Stopped after a stop) with what is left, and raises one line saying what to try.
+machine knows the launch is under way. Before the groups, before the nodes and once they are
+launched the launch reads the record again: a `dtrain stop` meanwhile (or another client that
+gave the launch up) makes it roll back. Any failure after the first resource exists —
+``InsufficientInstanceCapacity`` for the cluster, Ctrl-C, anything — terminates every node
+launched and deletes what was created, records the job Failed (Stopped after a stop) with what
+is left, and raises one line saying what to try.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Launch:
                                    checkpoints=payload["checkpoints"],
                                    launch_token=values["launch_token"],
                                    launched_at=values["launched_at"],
-                                   num_nodes=len(payload["run_instances"]))))
+                                   num_nodes=payload["run_instances"]["MaxCount"])))
         try:
             self._check_not_stopped()  # e.g. `dtrain stop` while the cost question was open
             values.update(self._lookups(payload["lookups"]))
@@ -91,7 +92,7 @@ class Launch:
             nodes = self.request.payload["run_instances"]
             res.check_reservation(
                 self.ec2, reservation["describe_capacity_reservations"], zone=zone,
-                instance_type=nodes[0]["InstanceType"], nodes=len(nodes),
+                instance_type=nodes["InstanceType"], nodes=nodes["MaxCount"],
                 placement_group=self.request.payload["placement_group"]["GroupName"])
         return values
 
@@ -104,7 +105,7 @@ class Launch:
             raise DtrainError(f"launch given up: the job was recorded {now} meanwhile")
 
     def _launch(self, payload: dict[str, Any], values: dict[str, str]) -> dict[str, Any]:
-        """Groups, then one node at a time; returns what the record keeps of them."""
+        """Groups, then the nodes; returns what the record keeps of them."""
         ec2, created = self.ec2, self.created
         self._check_not_stopped()
         group = payload["placement_group"]
@@ -117,14 +118,15 @@ class Launch:
         rules = placeholders.fill(sg, {"security_group_id": group_id})
         ec2.authorize_security_group_ingress(**rules["AuthorizeSecurityGroupIngress"])
         ec2.authorize_security_group_egress(**rules["AuthorizeSecurityGroupEgress"])
-        nodes = payload["run_instances"]
-        for rank, node in enumerate(nodes):
-            self._check_not_stopped()
-            node = placeholders.fill(node, {"security_group_id": group_id})
-            self.out.write(f"launching node {rank + 1}/{len(nodes)} ({node['InstanceType']})\n")
-            self.run_instances_pending = True
-            created.instances.append(ec2.run_instances(**node)["Instances"][0]["InstanceId"])
-            self.run_instances_pending = False
+        nodes = placeholders.fill(payload["run_instances"], {"security_group_id": group_id})
+        self._check_not_stopped()
+        self.out.write(f"launching {nodes['MaxCount']} × {nodes['InstanceType']} in placement "
+                       f"group {group['GroupName']}, in one request\n")
+        self.run_instances_pending = True
+        launched = ec2.run_instances(**nodes)["Instances"]
+        created.instances.extend(i["InstanceId"] for i in
+                                 sorted(launched, key=lambda i: i.get("AmiLaunchIndex", 0)))
+        self.run_instances_pending = False
         self._check_not_stopped()
         return {"instance_ids": list(created.instances), "subnet_id": values["subnet_id"],
                 "security_group_id": group_id, "placement_group": group["GroupName"],
@@ -133,7 +135,7 @@ class Launch:
     def _relist(self, token: str, sleep: Callable[[float], None], *,
                 patient: bool) -> Callable[[], list[str]]:
         """The launch's nodes not terminated, listed by tag (for the rollback). ``patient``:
-        a RunInstances call never answered, and EC2 may list the node it made only after a
+        a RunInstances call never answered, and EC2 may list the nodes it made only after a
         while, so the first list is repeated (``UNANSWERED_LISTS`` times) until it shows one."""
         waits = UNANSWERED_LISTS - 1 if patient else 0
 
@@ -142,7 +144,7 @@ class Launch:
             found = res.job_instance_ids(self.ec2, self.request.job.name, launch=token)
             while not found and waits:
                 waits -= 1
-                self.out.write("looking again for a node the cut-off RunInstances may have "
+                self.out.write("looking again for nodes the cut-off RunInstances may have "
                                "made (EC2 lists new nodes after a delay)\n")
                 sleep(UNANSWERED_WAIT_S)
                 found = res.job_instance_ids(self.ec2, self.request.job.name, launch=token)
@@ -155,12 +157,12 @@ class Launch:
         if isinstance(exc, KeyboardInterrupt):
             return exc
         nodes = self.request.payload["run_instances"]
-        done = (f"launched {len(self.created.instances)} of {len(nodes)} nodes, all terminated"
-                if self.created.instances else "no node was launched")
+        done = (f"launched {len(self.created.instances)} of {nodes['MaxCount']} nodes, all "
+                "terminated" if self.created.instances else "no node was launched")
         left_line = "" if not left else \
             f"; could not remove {', '.join(left)}: run `dtrain ec2 gc`"
         code = aws.error_code(exc)
-        what = f"{len(nodes)} × {nodes[0]['InstanceType']}"
+        what = f"{nodes['MaxCount']} × {nodes['InstanceType']}"
         if code in CAPACITY_CODES:
             return DtrainError(
                 f"EC2 has no capacity for {what} ({code}; {done}){left_line}; try another AZ "

@@ -276,9 +276,9 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         """Terminate every node of the job, then delete the groups dtrain created for it.
 
         The record says Stopping before anything is terminated: a launch still under way sees
-        it before its next node and rolls back, and if this call is cut short (Ctrl-C during the
-        wait) ``status`` terminates what still runs. A node the launch started while this call
-        was terminating the others is terminated too. Also for a job that has already ended
+        it before or right after its RunInstances and rolls back, and if this call is cut short
+        (Ctrl-C during the wait) ``status`` terminates what still runs. Nodes whose RunInstances
+        landed after this call listed the launch are terminated too. Also for a job that has already ended
         (one failed node ends a job while its peers may still run): whatever of it still runs
         is terminated, and the job keeps its status.
         """
@@ -306,7 +306,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         handle = journal.current()
         if handle.is_final:  # it had ended, or the launch under way rolled back meanwhile
             return journal.record(Update(state=done))
-        # a launch still under way finishes the stop itself (it checks before each node)
+        # a launch still under way finishes the stop itself (it checks around its RunInstances)
         launched = state_of(handle).launched
         under_way = not launched and process.process_alive(state_of(handle).submitter) is not False
         return journal.record(Update(status=STOPPING if launched or under_way else STOPPED,

@@ -4,14 +4,17 @@
 --dry-run`` prints and that ``Ec2Launcher.submit`` sends, in order: an optional
 ``CreatePlacementGroup`` (strategy ``cluster``), a security group that allows all traffic only
 from itself (EFA's requirement) plus SSH from ``ec2.ssh_cidr`` when given, and one
-``RunInstances`` per node. Values only known after an I/O step appear as ``{{name}}``
+``RunInstances`` for every node. Values only known after an I/O step appear as ``{{name}}``
 placeholders (``ami_id`` from the Deep Learning AMI SSM parameter, ``vpc_id`` and ``subnet_id``
 when no subnet is given, ``security_group_id`` once the group exists, ``launch_token`` and
 ``launched_at`` drawn at submit); ``placeholders.fill`` substitutes them.
 
-One ``RunInstances`` per node (``MinCount=MaxCount=1``) rather than one for all: each node's
-user data carries its own rank, so the cluster order is the launch order without relying on
-``AmiLaunchIndex``, and a capacity failure is noticed at the exact node it hit.
+One ``RunInstances`` for all nodes (``MinCount=MaxCount=`` the node count), as AWS advises for
+a cluster placement group: EC2 places the whole cluster in one go or launches none of it
+(``InsufficientInstanceCapacity``), where requests one node at a time could get a cluster's
+first nodes and then no room for the rest beside them. Every node gets the same user data; a
+node's rank is its AMI launch index in the request (0 to N-1, read from the instance metadata
+at boot, ``ami-launch-index``), and the launcher lists a launch's nodes in that order too.
 
 EFA layout follows the AWS guide "Maximize network bandwidth ... with multiple network cards":
 network card 0 device 0 is an ``efa`` interface (EFA plus the ENA that carries IP traffic); every
@@ -33,7 +36,6 @@ from dtrain.launcher.ec2.placeholders import placeholder
 from dtrain.launcher.ec2.tags import (
     TAG_LAUNCH,
     TAG_LAUNCHED_AT,
-    TAG_NODE_RANK,
     TAG_NUM_NODES,
     TAG_PREFIX,
 )
@@ -73,8 +75,7 @@ def payload(spec: JobSpec, plan: Plan, job_name: str) -> dict[str, Any]:
         "lookups": _lookups(spec),
         "placement_group": placement,
         "security_group": _security_group(job_name, spec.ec2.ssh_cidr, spec.tags),
-        "run_instances": [_run_instances(spec, plan, job_name, rank, placement["GroupName"])
-                          for rank in range(plan.num_nodes)],
+        "run_instances": _run_instances(spec, plan, job_name, placement["GroupName"]),
     }
 
 
@@ -196,16 +197,16 @@ def network_interfaces(instance_type: str, efa_count: int) -> list[dict[str, Any
     return cards
 
 
-def _run_instances(spec: JobSpec, plan: Plan, job: str, rank: int,
-                   placement_group: str) -> dict[str, Any]:
+def _run_instances(spec: JobSpec, plan: Plan, job: str, placement_group: str) -> dict[str, Any]:
     request: dict[str, Any] = {
         "ImageId": placeholder("ami_id"),
         "InstanceType": plan.instance.name,
-        "MinCount": 1,
-        "MaxCount": 1,
-        # Idempotent under boto3's retries: a retried call never launches a second node. The
-        # token is drawn at submit, so a job name used again later launches afresh.
-        "ClientToken": f"dtrain-{placeholder('launch_token')}-{rank}",
+        # all or none (see the module doc): a cluster with a node missing cannot train
+        "MinCount": plan.num_nodes,
+        "MaxCount": plan.num_nodes,
+        # Idempotent under boto3's retries: a retried call never launches a second cluster.
+        # The token is drawn at submit, so a job name used again later launches afresh.
+        "ClientToken": f"dtrain-{placeholder('launch_token')}",
         "Placement": {"GroupName": placement_group},
         "NetworkInterfaces": network_interfaces(plan.instance.name, plan.instance.efa_interfaces),
         "BlockDeviceMappings": [{
@@ -218,11 +219,11 @@ def _run_instances(spec: JobSpec, plan: Plan, job: str, rank: int,
                             "HttpPutResponseHopLimit": 2},
         # The bootstrap's final `shutdown` then terminates: a finished node stops billing.
         "InstanceInitiatedShutdownBehavior": "terminate",
-        "UserData": userdata.render(spec, plan, job_name=job, rank=rank),
+        "UserData": userdata.render(spec, plan, job_name=job),
         "TagSpecifications": [
             {"ResourceType": kind,
-             "Tags": _tags(job, spec.tags, name=f"dtrain-{job}-{rank}",
-                           **{TAG_NODE_RANK: str(rank), TAG_NUM_NODES: str(plan.num_nodes),
+             "Tags": _tags(job, spec.tags, name=f"dtrain-{job}",
+                           **{TAG_NUM_NODES: str(plan.num_nodes),
                               TAG_PREFIX: userdata.job_prefix(spec, job)})}
             for kind in ("instance", "volume", "network-interface")
         ],

@@ -117,13 +117,14 @@ def check_reservation(ec2: Any, reservation_id: str, *, zone: str, instance_type
 # ---------------------------------------------------------------- a job's resources by tag
 
 def job_instances(ec2: Any, job: str | None, *, launch: str | None = None) -> list[dict[str, Any]]:
-    """dtrain's instances (of one job, or all; of one launch of it), in node-rank order."""
+    """dtrain's instances (of one job, or all; of one launch of it), in node-rank order (a
+    node's rank is its launch index in the launch's one RunInstances request)."""
     found = []
     for page in ec2.get_paginator("describe_instances").paginate(
             Filters=tags.filters(job, launch)):
         for reservation in page["Reservations"]:
             found += reservation["Instances"]
-    return sorted(found, key=lambda i: int(tags.tag_map(i).get(tags.TAG_NODE_RANK, 0)))
+    return sorted(found, key=lambda i: i.get("AmiLaunchIndex", 0))
 
 
 def job_security_groups(ec2: Any, job: str | None, *,
@@ -168,7 +169,7 @@ def rollback(ec2: Any, s3: Any, created: Created, *, sleep: Callable[[float], No
     """
     left = _terminate_and_wait(ec2, created.instances)
     seen = set(created.instances)
-    while relist is not None:  # the launcher checks the record before each node: few rounds
+    while relist is not None:  # one RunInstances per launch: few rounds
         try:
             late = [i for i in relist() if i not in seen]
         except Exception:  # noqa: BLE001 - the caller reports what is left

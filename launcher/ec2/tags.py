@@ -11,7 +11,6 @@ from typing import Any
 
 from dtrain.launcher import aws
 
-TAG_NODE_RANK = "dtrain:node-rank"
 TAG_LAUNCH = "dtrain:launch"  # one submission's token: a job name may be used again later
 TAG_NUM_NODES = "dtrain:num-nodes"  # lets gc see a cluster that never came up whole
 TAG_PREFIX = "dtrain:prefix"  # where status and logs are, so a job name alone is enough

@@ -73,13 +73,13 @@ def node_config(spec: JobSpec, plan: Plan, job_name: str) -> dict[str, Any]:
     }
 
 
-def render(spec: JobSpec, plan: Plan, *, job_name: str, rank: int) -> str:
-    """The node's bootstrap script: the shipped template with this job's values filled in."""
+def render(spec: JobSpec, plan: Plan, *, job_name: str) -> str:
+    """Every node's bootstrap script: the shipped template with this job's values filled in (a
+    node reads its rank from the instance metadata)."""
     template = resources.files("dtrain.launcher.ec2.node").joinpath(BOOTSTRAP_TEMPLATE).read_text()
     config = json.dumps(node_config(spec, plan, job_name), indent=1, sort_keys=True)
     prefix = job_prefix(spec, job_name)
     values = {
-        "NODE_RANK": str(rank),
         "WHEEL_URI": layout.source_uri(prefix, packaging.wheel_name()),
         "STATUS_URI": layout.status_uri(prefix, HOST),
         "LOG_URI": layout.bootstrap_log_uri(prefix, HOST),

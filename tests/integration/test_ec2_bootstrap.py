@@ -82,7 +82,7 @@ def s3(s3_server, tmp_path, monkeypatch):
 def job_config(token: str) -> dict:
     spec = JobSpec.from_file(ROOT / "examples" / "ec2-p4d.yaml",
                              overrides=["ec2.subnet_id=subnet-1"])
-    text = userdata.render(spec, plan(spec), job_name=JOB, rank=0)
+    text = userdata.render(spec, plan(spec), job_name=JOB)
     body = text.split("<<'DTRAIN_JOB_JSON'\n", 1)[1].split("\nDTRAIN_JOB_JSON\n", 1)[0]
     return json.loads(placeholders.fill(body, {"launch_token": token}))
 
@@ -245,7 +245,8 @@ while True:
 """
 
 
-FACTS = {"local-ipv4": IPS[0], "instance-id": "i-0", "placement/region": "us-east-1"}
+FACTS = {"local-ipv4": IPS[0], "instance-id": "i-0", "placement/region": "us-east-1",
+         "ami-launch-index": "0"}
 
 
 class FakeImds:
@@ -414,7 +415,7 @@ def test_a_shell_half_failure_is_reported_in_the_status_object_with_the_nodes_lo
     """Before this report the other nodes waited out the 30-minute rendezvous, and `dtrain
     status` had nothing to say; the node powers off either way."""
     spec = JobSpec.from_file(ROOT / "examples" / "ec2-p4d.yaml", overrides=["ec2.subnet_id=s-1"])
-    script = placeholders.fill(userdata.render(spec, plan(spec), job_name=JOB, rank=0),
+    script = placeholders.fill(userdata.render(spec, plan(spec), job_name=JOB),
                                {"launch_token": "t-shell"})
     stubs = tmp_path / "bin"
     stubs.mkdir()

@@ -232,8 +232,12 @@ def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
         raw = ec2.describe_instance_attribute(InstanceId=instance["InstanceId"],
                                               Attribute="userData")["UserData"]["Value"]
         text = base64.b64decode(raw).decode()
-        assert f"export DTRAIN_NODE_RANK={found[tags.TAG_NODE_RANK]}\n" in text
+        assert "DTRAIN_NODE_RANK=$(imds ami-launch-index)" in text  # the same on every node
         assert f'"launch_token": "{facts["launch_token"]}"' in text and "{{" not in text
+    # the whole cluster in one request; the record lists the nodes in rank (launch index) order
+    assert [(s["MinCount"], s["MaxCount"]) for s in aws["sent"]] == [(2, 2)]
+    ranks = {i["InstanceId"]: i["AmiLaunchIndex"] for i in nodes}
+    assert [ranks[i] for i in facts["instance_ids"]] == [0, 1]
     # what moto cannot model, asserted on the requests sent
     group = facts["placement_group"]
     kind, created = aws["pg"].calls[0]
@@ -266,14 +270,14 @@ def test_stop_leaves_no_running_instance_and_no_dtrain_security_group(aws):
     assert target.status(record).status == "Stopped"
 
 
-def test_capacity_error_on_second_node_rolls_everything_back(aws):
+def test_no_capacity_for_the_cluster_rolls_everything_back(aws):
     target = ec2_target(aws, assume_yes=True)
-    fail_run_instances_after(aws["ec2"], launched=1)
+    fail_run_instances_after(aws["ec2"], launched=0)
     with pytest.raises(DtrainError) as caught:
         target.submit()
     message = str(caught.value)
     assert "\n" not in message and "InsufficientInstanceCapacity" in message
-    assert "launched 1 of 2 nodes, all terminated" in message
+    assert "2 × p4d.24xlarge" in message and "no node was launched" in message
     assert "ec2.subnet_id" in message and "capacity_reservation_id" in message
     assert live_instances(aws["ec2"]) == []
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
@@ -283,18 +287,18 @@ def test_capacity_error_on_second_node_rolls_everything_back(aws):
     assert failed.target_data["cleanup"]["state"] == "done"
 
 
-@pytest.mark.parametrize("node", [1, 2])
-def test_ctrl_c_inside_run_instances_terminates_the_node_ec2_made_meanwhile(aws, node):
+def test_ctrl_c_inside_run_instances_terminates_the_nodes_ec2_made_meanwhile(aws):
+    node = 1  # the one RunInstances call
     target = ec2_target(aws, assume_yes=True)
     calls = {"run": 0, "lists": 0}
 
-    def interrupt(**_):  # the node exists, its answer never reaches the launch
+    def interrupt(**_):  # the nodes exist, the answer never reaches the launch
         calls["run"] += 1
         if calls["run"] == node:
             raise KeyboardInterrupt
 
     def not_listed_yet(params, **_):
-        # EC2 lists a new node only after a while (moto at once): the first two lists of the
+        # EC2 lists new nodes only after a while (moto at once): the first two lists of the
         # launch's nodes (by tag, not the waiter's by id) after the interrupt come back empty
         if calls["run"] != node or not any(key.startswith("Filter") for key in params["body"]):
             return None
@@ -308,10 +312,10 @@ def test_ctrl_c_inside_run_instances_terminates_the_node_ec2_made_meanwhile(aws,
     with pytest.raises(KeyboardInterrupt):
         target.submit()
     assert calls["run"] == node
-    assert live_instances(aws["ec2"]) == []  # every node, though the launch knew of one less
+    assert live_instances(aws["ec2"]) == []  # every node, though the launch knew of none
     assert dtrain_groups(aws["ec2"]) == [] and aws["pg"].groups == {}
     assert JobStore().find(JOB).status == "Failed"
-    assert "looking again for a node the cut-off RunInstances may have made" in \
+    assert "looking again for nodes the cut-off RunInstances may have made" in \
         target.out.getvalue()
 
 
@@ -449,7 +453,7 @@ def finish_nodes(aws, record, *, power_off: bool = True, state: str = "completed
     nodes = [i for r in aws["ec2"].describe_instances(InstanceIds=ids)["Reservations"]
              for i in r["Instances"]]
     for instance in nodes:
-        node = boot.Node(rank=int(tags.tag_map(instance)[tags.TAG_NODE_RANK]),
+        node = boot.Node(rank=instance["AmiLaunchIndex"],
                          private_ip=instance["PrivateIpAddress"],
                          instance_id=instance["InstanceId"], root="/opt/ml", work_dir="/opt/dtrain")
         boot.write_status(aws["s3"], record.target_data, node, state,

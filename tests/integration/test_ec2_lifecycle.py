@@ -216,19 +216,19 @@ def test_gc_without_a_record_removes_a_cluster_whose_nodes_reported_a_failure(aw
 
 
 @pytest.mark.parametrize("home", ["this machine", "another machine"])
-def test_gc_during_a_launch_leaves_its_groups_and_first_node_alone(aws, tmp_path, home):
+def test_gc_during_a_launch_leaves_its_groups_and_nodes_alone(aws, tmp_path, home):
     from click.testing import CliRunner
     from dtrain.cli.ec2 import ec2 as ec2_group
 
     target = ec2_target(aws, assume_yes=True)
     ran = []
 
-    def gc_before_node_two(**_):  # its groups and node 1 exist, its record lists no node yet
-        if len(live_instances(aws["ec2"])) == 1 and not ran:
+    def gc_once_the_nodes_exist(**_):  # its groups and nodes exist, its record lists none yet
+        if not ran:
             # this machine: the record says it is launching; another: no record, a young launch
             env = {} if home == "this machine" else {"DTRAIN_HOME": str(tmp_path / "other")}
             ran.append(CliRunner().invoke(ec2_group, ["gc", "--yes"], env=env))
-    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", gc_before_node_two)
+    aws["ec2"].meta.events.register("after-call.ec2.RunInstances", gc_once_the_nodes_exist)
     record = target.submit()
     assert ran[0].exit_code == 0, ran[0].output
     assert ran[0].output.endswith("no dtrain leftovers found\n")
@@ -246,10 +246,10 @@ def test_stop_while_the_launch_is_under_way_ends_it_stopped_with_nothing_left(aw
     other = ec2_target(aws)  # `dtrain stop` from another shell, same job store
     stopped = []
 
-    def stop_before_node_two(**_):
-        if len(live_instances(aws["ec2"])) == 1 and not stopped:
+    def stop_before_the_nodes(**_):  # the groups exist; the record was read just before
+        if not stopped:
             stopped.append(other.stop(JOB))
-    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
+    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_the_nodes)
     with pytest.raises(DtrainError) as caught:
         target.submit()
     assert str(caught.value).startswith("stopped by `dtrain stop` while launching (launched 2 "
@@ -283,19 +283,20 @@ def a_slow_stopper(aws, until: threading.Event) -> tuple[Ec2, threading.Event]:
 
 
 def test_a_stop_that_runs_while_the_launch_goes_on_leaves_no_node_running(aws):
-    # the stop runs in a thread while the launcher launches; its termination takes a while (a
-    # real node needs about a minute), and the launcher goes on with node 2 meanwhile
+    # the stop runs in a thread once the nodes exist, before the launcher has recorded them; its
+    # termination takes a while (a real node needs about a minute), and the launcher goes on
+    # meanwhile
     target = ec2_target(aws, assume_yes=True)
     release = threading.Event()
     stopper, terminating = a_slow_stopper(aws, until=release)
     stops = []
     stop = threading.Thread(target=lambda: stops.append(stopper.stop(JOB)))
 
-    def stop_before_node_two(**_):
-        if len(live_instances(aws["ec2"])) == 1 and not stop.is_alive() and not stops:
+    def stop_once_the_nodes_exist(**_):
+        if not stop.is_alive() and not stops:
             stop.start()
-            assert terminating.wait(60), "the stop never got to terminating node 1"
-    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
+            assert terminating.wait(60), "the stop never got to terminating the nodes"
+    aws["ec2"].meta.events.register("after-call.ec2.RunInstances", stop_once_the_nodes_exist)
     try:
         target.submit()
         outcome = "launched every node"
@@ -312,31 +313,35 @@ def test_a_stop_that_runs_while_the_launch_goes_on_leaves_no_node_running(aws):
     assert aws["pg"].groups == {}
 
 
-def test_stop_terminates_a_node_the_launch_started_while_it_was_terminating_the_others(aws):
-    # node 2's RunInstances lands after the stop listed the launch's nodes, then the launcher
-    # stalls (EC2 slow to answer, a suspended laptop): the stop alone must get node 2 too
+def test_stop_terminates_the_nodes_whose_run_instances_landed_after_it_listed_the_launch(aws):
+    # the stop lists the launch's nodes (none yet), then the RunInstances lands, then the
+    # launcher stalls (EC2 slow to answer, a suspended laptop): the stop alone must get them
     target = ec2_target(aws, assume_yes=True)
-    node_two = threading.Event()
-    stopper, terminating = a_slow_stopper(aws, until=node_two)
-    stops, runs, live_once_stopped = [], [], []
+    stopper, stopper_ec2 = another_shell(aws)
+    listed, landed = threading.Event(), threading.Event()
+    stops, live_once_stopped = [], []
     stop = threading.Thread(target=lambda: stops.append(stopper.stop(JOB)))
 
-    def stop_before_node_two(**_):
-        runs.append(1)
-        if len(runs) == 2:
-            stop.start()
-            assert terminating.wait(60), "the stop never got to terminating node 1"
+    def nodes_land_after_the_first_list(**_):
+        if not listed.is_set():
+            listed.set()
+            assert landed.wait(60), "the RunInstances never landed"
 
-    def stall_after_node_two(**_):
-        if len(runs) == 2 and not node_two.is_set():
-            node_two.set()
-            stop.join(60)  # the launcher is stalled until the stop has returned
-            live_once_stopped.extend(i["InstanceId"] for i in live_instances(aws["ec2"]))
-    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_before_node_two)
-    aws["ec2"].meta.events.register("after-call.ec2.RunInstances", stall_after_node_two)
+    def stop_during_run_instances(**_):
+        stop.start()
+        assert listed.wait(60), "the stop never listed the launch's nodes"
+
+    def stall_once_landed(**_):
+        landed.set()
+        stop.join(60)  # the launcher is stalled until the stop has returned
+        live_once_stopped.extend(i["InstanceId"] for i in live_instances(aws["ec2"]))
+    stopper_ec2.meta.events.register("after-call.ec2.DescribeInstances",
+                                     nodes_land_after_the_first_list)
+    aws["ec2"].meta.events.register("before-call.ec2.RunInstances", stop_during_run_instances)
+    aws["ec2"].meta.events.register("after-call.ec2.RunInstances", stall_once_landed)
     with pytest.raises(DtrainError, match="stopped by `dtrain stop` while launching"):
         target.submit()
-    assert stops and live_once_stopped == [], "the stop returned with node 2 running"
+    assert stops and live_once_stopped == [], "the stop returned with nodes running"
     assert "terminated 2 node(s)" in stopper.out.getvalue()
     record = JobStore().find(JOB)
     assert record.status == "Stopped" and live_instances(aws["ec2"]) == []
@@ -391,13 +396,11 @@ example, marker, job, *overrides = sys.argv[1:]
 ec2 = aws.make_client("ec2", region="us-east-1")
 calls = []
 
-def slow_second_node(**_):  # EC2 is slow to answer for node 2; the launcher is killed meanwhile
-    calls.append(1)
-    if len(calls) == 2:
-        pathlib.Path(marker).write_text("node 1 launched")
-        time.sleep(600)
+def stall_once_launched(**_):  # the nodes exist, not yet recorded; the launcher is killed now
+    pathlib.Path(marker).write_text("nodes launched")
+    time.sleep(600)
 
-ec2.meta.events.register("before-call.ec2.RunInstances", slow_second_node)
+ec2.meta.events.register("after-call.ec2.RunInstances", stall_once_launched)
 spec = JobSpec.from_file(example, overrides=overrides)
 api.submit(spec, wait=False, job=JobIdentity(new_job_id(), job, time.time()),
            clients={"ec2_client": ec2, "region": "us-east-1", "assume_yes": True})
@@ -425,7 +428,7 @@ def moto_server(monkeypatch):
 
 
 @pytest.mark.parametrize("then", ["status", "stop"])
-def test_a_launcher_killed_before_its_nodes_were_launched_leaves_a_record_that_ends(
+def test_a_launcher_killed_before_it_recorded_its_nodes_leaves_a_record_that_ends(
         moto_server, tmp_path, then):
     import os
     import signal
@@ -449,12 +452,12 @@ def test_a_launcher_killed_before_its_nodes_were_launched_leaves_a_record_that_e
     deadline = time.monotonic() + 120
     while not marker.exists():
         assert launch.poll() is None, launch.stderr.read().decode()
-        assert time.monotonic() < deadline, "the launcher never got to node 2"
+        assert time.monotonic() < deadline, "the launcher never launched the nodes"
         time.sleep(0.2)
     os.kill(launch.pid, signal.SIGKILL)  # no except clause runs: nothing is rolled back
     launch.wait()
     record = JobStore().find(ec2_test.JOB)
-    assert record.status == "Pending" and len(live_instances(ec2)) == 1
+    assert record.status == "Pending" and len(live_instances(ec2)) == 2
     ec2_test.PlacementGroups(ec2.meta.events)  # answers DescribePlacementGroups (none tagged)
     target = Ec2(ec2_client=ec2, s3_client=s3)
     if then == "status":

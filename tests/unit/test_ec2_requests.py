@@ -17,7 +17,6 @@ from dtrain.launcher import aws, packaging
 from dtrain.launcher.base import JobIdentity, Request, Upload
 from dtrain.launcher.ec2 import requests as req
 from dtrain.launcher.ec2.launcher import Ec2Launcher
-from dtrain.launcher.ec2.tags import TAG_NODE_RANK
 from dtrain.planning.planner import plan
 from dtrain.spec.model import JobSpec
 
@@ -78,24 +77,31 @@ def test_uploads_are_the_source_archive_and_the_wheel_the_user_data_installs():
         Upload(str(ROOT / "examples" / "sagemaker_src"),
                          f"{prefix}/source/{packaging.SOURCE_ARCHIVE}"),
         Upload(packaging.WHEEL, f"{prefix}/source/{packaging.wheel_name()}"))
-    assert f"WHEEL_URI='{built.uploads[1].uri}'" in built.payload["run_instances"][0]["UserData"]
+    assert f"WHEEL_URI='{built.uploads[1].uri}'" in built.payload["run_instances"]["UserData"]
     recipe = request(["entry_point=recipe:causal_lm", "source_dir=null"])
     assert [u.source for u in recipe.uploads] == [packaging.WHEEL]
-    assert job_config(recipe.payload["run_instances"][0]["UserData"])["source"] is None
+    assert job_config(recipe.payload["run_instances"]["UserData"])["source"] is None
 
 
 def test_p4d_nodes_get_four_efa_interfaces_one_per_network_card():
-    for rank, node in enumerate(build()["run_instances"]):
-        cards = node["NetworkInterfaces"]
-        assert [(c["NetworkCardIndex"], c["DeviceIndex"], c["InterfaceType"]) for c in cards] == [
-            (0, 0, "efa"), (1, 1, "efa"), (2, 1, "efa"), (3, 1, "efa")]
-        assert {c["SubnetId"] for c in cards} == {"{{subnet_id}}"}
-        assert node["InstanceType"] == "p4d.24xlarge" and node["MinCount"] == node["MaxCount"] == 1
-        assert node["Placement"] == {"GroupName": f"dtrain-{JOB}-{{{{launch_token}}}}"}
+    node = build()["run_instances"]
+    cards = node["NetworkInterfaces"]
+    assert [(c["NetworkCardIndex"], c["DeviceIndex"], c["InterfaceType"]) for c in cards] == [
+        (0, 0, "efa"), (1, 1, "efa"), (2, 1, "efa"), (3, 1, "efa")]
+    assert {c["SubnetId"] for c in cards} == {"{{subnet_id}}"}
+    assert node["InstanceType"] == "p4d.24xlarge"
+    assert node["Placement"] == {"GroupName": f"dtrain-{JOB}-{{{{launch_token}}}}"}
+
+
+def test_the_whole_cluster_is_one_all_or_nothing_request():
+    # AWS's advice for a cluster placement group: one request, so EC2 places every node or none
+    node = build()["run_instances"]
+    assert node["MinCount"] == node["MaxCount"] == 2
+    assert node["ClientToken"] == "dtrain-{{launch_token}}"
 
 
 def test_p5_nodes_get_32_interfaces_efa_only_beyond_card_0():
-    node = build(P5_OVERRIDES)["run_instances"][0]
+    node = build(P5_OVERRIDES)["run_instances"]
     cards = node["NetworkInterfaces"]
     assert len(cards) == 32
     assert (cards[0]["DeviceIndex"], cards[0]["InterfaceType"]) == (0, "efa")
@@ -122,35 +128,35 @@ def test_ssh_rule_only_from_the_given_cidr():
 
 
 def test_every_node_requires_imdsv2_terminates_on_shutdown_and_is_tagged():
-    for rank, node in enumerate(build()["run_instances"]):
-        assert node["MetadataOptions"]["HttpTokens"] == "required"
-        assert node["InstanceInitiatedShutdownBehavior"] == "terminate"
-        assert node["IamInstanceProfile"] == {"Name": "dtrain-node"}
-        assert node["BlockDeviceMappings"][0]["Ebs"]["VolumeSize"] == 500
-        for spec in node["TagSpecifications"]:
-            tags = {t["Key"]: t["Value"] for t in spec["Tags"]}
-            assert tags[aws.TAG_JOB] == JOB and tags[aws.TAG_CREATED_BY] == "dtrain"
-            assert tags[TAG_NODE_RANK] == str(rank) and tags["team"] == "ml-platform"
-        assert "InstanceMarketOptions" not in node
+    node = build()["run_instances"]
+    assert node["MetadataOptions"]["HttpTokens"] == "required"
+    assert node["InstanceInitiatedShutdownBehavior"] == "terminate"
+    assert node["IamInstanceProfile"] == {"Name": "dtrain-node"}
+    assert node["BlockDeviceMappings"][0]["Ebs"]["VolumeSize"] == 500
+    for spec in node["TagSpecifications"]:
+        tags = {t["Key"]: t["Value"] for t in spec["Tags"]}
+        assert tags[aws.TAG_JOB] == JOB and tags[aws.TAG_CREATED_BY] == "dtrain"
+        assert tags["team"] == "ml-platform" and tags["Name"] == f"dtrain-{JOB}"
+    assert "InstanceMarketOptions" not in node
 
 
-def test_user_data_carries_the_rank_the_wheel_and_the_job_config():
+def test_user_data_reads_the_rank_and_carries_the_wheel_and_the_job_config():
     request = build()
-    for rank, node in enumerate(request["run_instances"]):
-        text = node["UserData"]
-        assert text.startswith("#!/bin/bash\n")
-        assert f"export DTRAIN_NODE_RANK={rank}\n" in text
-        assert f"{request['prefix']}/source/{packaging.wheel_name()}" in text
-        assert "shutdown -h +735 " in text  # 12 h max_run + 15 min margin, in minutes
-        config = job_config(text)
-        assert config["num_nodes"] == 2 and config["settings"]["processes_per_host"] == 8
-        assert config["settings"]["distribution"]["sharding_degree"] == 8
-        assert config["channels"] == {"train": "s3://dtrain-example-bucket/datasets/pile/train"}
-        assert config["source"] == f"{request['prefix']}/source/sourcedir.tar.gz"
+    text = request["run_instances"]["UserData"]
+    assert text.startswith("#!/bin/bash\n")
+    # one script for every node: the rank is the node's launch index in the one request
+    assert "DTRAIN_NODE_RANK=$(imds ami-launch-index)" in text
+    assert f"{request['prefix']}/source/{packaging.wheel_name()}" in text
+    assert "shutdown -h +735 " in text  # 12 h max_run + 15 min margin, in minutes
+    config = job_config(text)
+    assert config["num_nodes"] == 2 and config["settings"]["processes_per_host"] == 8
+    assert config["settings"]["distribution"]["sharding_degree"] == 8
+    assert config["channels"] == {"train": "s3://dtrain-example-bucket/datasets/pile/train"}
+    assert config["source"] == f"{request['prefix']}/source/sourcedir.tar.gz"
 
 
 def test_capacity_block_and_reservation_targeting():
-    node = build(P5_OVERRIDES)["run_instances"][0]
+    node = build(P5_OVERRIDES)["run_instances"]
     assert node["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
     assert node["CapacityReservationSpecification"] == {
         "CapacityReservationTarget": {"CapacityReservationId": "cr-0123456789abcdef0"}}
@@ -159,11 +165,11 @@ def test_capacity_block_and_reservation_targeting():
 def test_existing_placement_group_is_used_not_created():
     request = build(P5_OVERRIDES)
     assert request["placement_group"] == {"create": False, "GroupName": "my-cluster-pg"}
-    assert request["run_instances"][0]["Placement"] == {"GroupName": "my-cluster-pg"}
+    assert request["run_instances"]["Placement"] == {"GroupName": "my-cluster-pg"}
 
 
 def test_spot_uses_one_time_spot_market_options():
-    node = build(["compute.use_spot=true"])["run_instances"][0]
+    node = build(["compute.use_spot=true"])["run_instances"]
     assert node["InstanceMarketOptions"]["MarketType"] == "spot"
     assert node["InstanceMarketOptions"]["SpotOptions"]["InstanceInterruptionBehavior"] == \
         "terminate"
@@ -181,7 +187,7 @@ def test_a_node_of_one_interface_may_use_the_default_subnet():
     payload = build(["compute.instance_type=g5.48xlarge", "ec2.subnet_id=null"])
     assert payload["lookups"]["subnet_id"] == {
         "default_subnet": "first default subnet of the default VPC"}
-    assert len(payload["run_instances"][0]["NetworkInterfaces"]) == 1
+    assert len(payload["run_instances"]["NetworkInterfaces"]) == 1
 
 
 def test_spot_with_capacity_block_is_refused_by_validation_with_the_fix():
@@ -228,8 +234,7 @@ def test_values_too_large_for_the_user_data_are_refused_by_validation_and_at_the
     longest = "n" * 63  # the longest job name a target makes
     at_budget = request(["hyperparameters.blob=" + "x" * (USER_VALUES_BUDGET - base - 400)],
                         job=longest).payload
-    assert all(len(node["UserData"].encode()) <= 16 * 1024
-               for node in at_budget["run_instances"])
+    assert len(at_budget["run_instances"]["UserData"].encode()) <= 16 * 1024
 
 
 def test_build_request_is_pure(monkeypatch):

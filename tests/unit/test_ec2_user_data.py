@@ -1,7 +1,8 @@
 """The user-data shell script run locally with stand-ins for aws, python and shutdown.
 
 It must schedule the max_run backstop, write the job config, install the wheel, start the Python
-bootstrap with this node's rank, and power the node off at the end even when a step fails.
+bootstrap with this node's rank (its launch index, from the instance metadata, which a ``curl``
+stand-in answers), and power the node off at the end even when a step fails.
 """
 
 from __future__ import annotations
@@ -27,18 +28,30 @@ def _stub(folder: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def run_user_data(tmp_path, *, aws_exit=0):
+# IMDSv2 as the script asks it: a token, then the node's launch index (none: a 404)
+CURL = """case "$*" in
+  *api/token*) echo token ;;
+  *meta-data/ami-launch-index*) [ -n "$LAUNCH_INDEX" ] && echo -n "$LAUNCH_INDEX" || exit 22 ;;
+  *meta-data/local-ipv4*) echo -n 10.0.0.5 ;;
+  *) exit 22 ;;
+esac
+"""
+
+
+def run_user_data(tmp_path, *, aws_exit=0, launch_index="1"):
     spec = JobSpec.from_file(ROOT / "examples" / "ec2-p4d.yaml", overrides=["ec2.subnet_id=s-1"])
     script = tmp_path / "user-data.sh"
-    script.write_text(userdata.render(spec, plan(spec), job_name="job-1", rank=1))
+    script.write_text(userdata.render(spec, plan(spec), job_name="job-1"))
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
-    _stub(bin_dir, "aws", f'echo "aws $*" >> {calls}; exit {aws_exit}\n')
+    _stub(bin_dir, "aws", f'echo "aws $*" >> {calls}\n'
+          f'[ "$4" = - ] && cat > {tmp_path}/uploaded.json\nexit {aws_exit}\n')
     _stub(bin_dir, "shutdown", f'echo "shutdown $*" >> {calls}\n')
     _stub(bin_dir, "python-stub", f'echo "python $*" >> {calls}\n')
+    _stub(bin_dir, "curl", CURL)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DTRAIN_BOOTSTRAP_DIR": str(tmp_path / "w"),
            "DTRAIN_PYTHON": str(bin_dir / "python-stub"), "AWS_DEFAULT_REGION": "us-east-1",
-           "DTRAIN_HOME": str(tmp_path / "home")}
+           "DTRAIN_HOME": str(tmp_path / "home"), "LAUNCH_INDEX": launch_index}
     subprocess.run(["bash", str(script)], env=env, timeout=60, check=False)
     return calls.read_text().splitlines(), tmp_path / "w"
 
@@ -61,4 +74,15 @@ def test_user_data_installs_runs_the_bootstrap_and_powers_off(tmp_path):
 def test_user_data_powers_off_when_the_wheel_cannot_be_fetched(tmp_path, aws_exit):
     calls, _ = run_user_data(tmp_path, aws_exit=aws_exit)
     assert not any(c.startswith("python") for c in calls)
+    assert calls[-1] == "shutdown -h now dtrain: node finished"
+
+
+def test_a_node_that_cannot_read_its_launch_index_reports_it_and_powers_off(tmp_path):
+    calls, _ = run_user_data(tmp_path, launch_index="")
+    assert not any(c.startswith(("python", "aws s3 cp --only-show-errors s3://")) for c in calls)
+    status = [c for c in calls if c.startswith("aws s3 cp --only-show-errors - ")]
+    assert status and status[0].endswith("/status/10.0.0.5.json")
+    report = json.loads((tmp_path / "uploaded.json").read_text())
+    assert (report["state"], report["rank"]) == ("failed", None)
+    assert "could not read this node's launch index (ami-launch-index)" in report["reason"]
     assert calls[-1] == "shutdown -h now dtrain: node finished"

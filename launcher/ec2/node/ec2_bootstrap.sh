@@ -4,7 +4,6 @@
 # (rendezvous, container contract, node agent, uploads, status). Whatever happens the node powers
 # off at the end, and InstanceInitiatedShutdownBehavior=terminate turns that into termination.
 set -uo pipefail
-export DTRAIN_NODE_RANK=@@NODE_RANK@@
 WHEEL_URI='@@WHEEL_URI@@'
 # Where the Python half reports; {host} is this node's private IP.
 STATUS_URI='@@STATUS_URI@@'
@@ -37,11 +36,20 @@ fail() {
   reason="bootstrap failed on $host: $1"
   echo "dtrain: $reason"
   printf '{"exit_code": 1, "host": "%s", "instance_id": "%s", "launch": "%s", "rank": %s, "reason": "%s", "state": "failed", "updated": %s}\n' \
-    "$host" "$instance" "$LAUNCH_TOKEN" "$DTRAIN_NODE_RANK" "$reason" "$(date +%s)" \
+    "$host" "$instance" "$LAUNCH_TOKEN" "${DTRAIN_NODE_RANK:-null}" "$reason" "$(date +%s)" \
     | aws s3 cp --only-show-errors - "${STATUS_URI//\{host\}/$host}"
   aws s3 cp --only-show-errors "$WORK_DIR/@@BOOTSTRAP_LOG@@" "${LOG_URI//\{host\}/$host}"
   exit 1
 }
+
+# Every node runs this same script: its rank is its launch index in the job's one RunInstances
+# request (0 to N-1).
+DTRAIN_NODE_RANK=$(imds ami-launch-index) || DTRAIN_NODE_RANK=
+if ! [[ $DTRAIN_NODE_RANK =~ ^[0-9]+$ ]]; then
+  DTRAIN_NODE_RANK=
+  fail "could not read this node's launch index (ami-launch-index) from the instance metadata"
+fi
+export DTRAIN_NODE_RANK
 
 cat > "$WORK_DIR/job.json" <<'DTRAIN_JOB_JSON'
 @@JOB_CONFIG@@
