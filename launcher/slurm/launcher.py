@@ -48,7 +48,6 @@ class SlurmState(TargetState):
     job_dir: str | None = None
     slurm_job_id: str | None = None
     hosts: list[str] = field(default_factory=list)  # the job's nodes, once it has them
-    checkpoint_dir: str | None = None
     model_data: str | None = None  # the first node's model/, where rank 0 writes the model
     stop_requested_at: float | None = None
 
@@ -100,7 +99,7 @@ class SlurmLauncher(Launcher):
         journal.record(Update(log_location=job_dir, output_location=job_dir,
                               state=SlurmState.changes(
                                   job_dir=job_dir,
-                                  checkpoint_dir=payload["node"]["checkpoint_dir"])))
+                                  checkpoints=payload["node"]["checkpoint_dir"])))
         try:
             os.makedirs(job_dir, exist_ok=False)
             self._prepare(request, job_dir)
@@ -188,7 +187,7 @@ class SlurmLauncher(Launcher):
         status, reason = states.ending(
             slurm, reports, state.job_dir,
             stop_requested=handle.status == STOPPING or bool(state.stop_requested_at),
-            job_id=state.slurm_job_id, checkpoint_dir=state.checkpoint_dir,
+            job_id=state.slurm_job_id, checkpoint_dir=state.checkpoints,
             output=layout.batch_output(state.job_dir, state.slurm_job_id))
         ended = [r["ended_at"] for r in reports.values() if r.get("ended_at")]
         return Update(status=status, failure_reason=reason, started_at=started_at,

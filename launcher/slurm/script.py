@@ -10,6 +10,7 @@ runs its node agent.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from typing import TYPE_CHECKING
 
@@ -86,7 +87,7 @@ def srun_command(spec: JobSpec, job_dir: str) -> list[str]:
     if not slurm.container_image:
         return lines + [node]
     mounts = [f"{job_dir}:{job_dir}",
-              *(f"{path}:{path}" for path in sorted(set(_local_inputs(spec)))),
+              *(f"{path}:{path}" for path in sorted(set(_used_in_place(spec, job_dir)))),
               *slurm.container_mounts]
     install = (f"{shlex.quote(slurm.python)} -m pip install --quiet --no-deps "
                f"{shlex.quote(job_dir)}/{layout.WHEEL_DIR}/*.whl")
@@ -95,9 +96,15 @@ def srun_command(spec: JobSpec, job_dir: str) -> list[str]:
                     "bash -c " + shlex.quote(f"{install} && exec {node}")]
 
 
-def _local_inputs(spec: JobSpec) -> list[str]:
-    """Input channels read in place: they must be mounted in a container too."""
-    return [path for path in spec.inputs.values() if not path.startswith("s3://")]
+def _used_in_place(spec: JobSpec, job_dir: str) -> list[str]:
+    """Folders outside the job's that the nodes read or write at their own paths, so they are
+    mounted in a container too: local input channels, and ``checkpoint.uri`` (else checkpoints
+    would go to the container's own file system and be lost with it)."""
+    paths = [path for path in spec.inputs.values() if not path.startswith("s3://")]
+    checkpoints = spec.checkpoint.uri
+    if checkpoints and os.path.commonpath([checkpoints, job_dir]) != job_dir:
+        paths.append(checkpoints)
+    return paths
 
 
 def build_script(spec: JobSpec, plan: Plan, *, job_id: str, job_name: str, job_dir: str) -> str:

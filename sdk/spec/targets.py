@@ -145,7 +145,8 @@ class SlurmOptions(_Model):
     )
     container_mounts: list[str] = Field(
         default_factory=list, description="More `--container-mounts` as `SRC:DST`; the job's "
-        "folder and local input folders are mounted at their own paths already.",
+        "folder, local input folders and `checkpoint.uri` are mounted at their own paths "
+        "already.",
     )
     extra_sbatch: list[str] = Field(
         default_factory=list, description="More `#SBATCH` options, e.g. `--constraint=p4d` or "

@@ -91,14 +91,13 @@ def test_main_example_runs_on_two_nodes_with_falling_loss(shared, cluster):
     assert cluster.node_processes() == []
 
 
-def test_stop_checkpoints_on_sigterm_and_a_resubmit_resumes(shared, cluster):
-    checkpoints = shared / "checkpoints"
+def test_stop_checkpoints_on_sigterm_and_submit_resume_continues(shared, cluster):
     overrides = example_on_slurm(shared, "hyperparameters.steps=2000",
-                                 "hyperparameters.checkpoint_interval=100000",
-                                 f"checkpoint.uri={checkpoints}")
+                                 "hyperparameters.checkpoint_interval=100000")
     done = dtrain("submit", *overrides, "--no-wait")
     assert done.returncode == 0, done.stderr
     job = re.search(r"submitted (\w+)", done.stdout)[1]
+    checkpoints = shared / job / "checkpoints"  # the default: in the job's folder
     wait_for_line(job, r"dtrain-metrics step=20 ")
     stopped = dtrain("stop", job, "--wait")
     assert stopped.returncode == 0 and stopped.stdout.strip().endswith("Stopped"), stopped.stdout
@@ -110,9 +109,9 @@ def test_stop_checkpoints_on_sigterm_and_a_resubmit_resumes(shared, cluster):
     assert 20 <= step < 2000
     assert cluster.node_processes() == [], "a process outlived the stop on a node"
 
-    again = dtrain("submit", *example_on_slurm(
-        shared, f"hyperparameters.steps={step + 20}", "hyperparameters.checkpoint_interval=100000",
-        f"checkpoint.uri={checkpoints}"))
+    # what `dtrain status` of a stopped job says to run
+    assert f"dtrain submit --resume {job}" in dtrain("status", job).stdout
+    again = dtrain("submit", "--resume", job, "--set", f"hyperparameters.steps={step + 20}")
     assert again.returncode == 0, again.stdout + again.stderr
     resumed = re.search(r"submitted (\w+)", again.stdout)[1]
     assert any(f"resumed from {saved[0]} at step {step}" in line for line in jobs.logs(resumed))

@@ -56,7 +56,9 @@ def test_p4d_script_asks_for_gpus_efa_time_and_the_container():
                  "export NCCL_DEBUG=WARN", "  --kill-on-bad-exit=1 \\", "  --gpus-per-node=8 \\",
                  ("  '--container-image=763104351884.dkr.ecr.us-east-1.amazonaws.com"
                  "#pytorch-training:2.10.0-gpu-py313' \\"),
-                 (f"  --container-mounts={JOB_DIR}:{JOB_DIR},"
+                 # the checkpoints outlive the container: mounted at their own path
+                (f"  --container-mounts={JOB_DIR}:{JOB_DIR},"
+                 "/fsx/checkpoints/pythia-1b-slurm:/fsx/checkpoints/pythia-1b-slurm,"
                  "/fsx/datasets/pile/train:/fsx/datasets/pile/train \\")):
         assert line in script.splitlines(), line
     assert script.splitlines()[-1] == (
