@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.core import presets
+from dtrain.core.contract import RECIPE_PREFIX
 
 # The recipes' defaults for what these checks read (training_runtime/recipes/common.py).
 DEFAULTS = {"steps": 100, "micro_batch_size": 8, "seq_len": 128, "log_interval": 10,
@@ -28,6 +29,17 @@ NUMERIC = {"lr": float, "min_lr_ratio": float, "warmup_steps": int, "weight_deca
 TOKENS_FILE, META_FILE = "tokens.bin", "tokens.json"  # a token channel (dtrain.runtime.train.data)
 BINARY_PROBE_BYTES = 8000  # as git: a NUL byte in a file's first 8000 bytes makes it binary
 MAX_FILES_PROBED = 10_000
+
+
+def as_the_recipe_reads(entry_point: str, hps: Mapping[str, Any]) -> dict[str, Any]:
+    """``hps`` with the defaults a built-in recipe fills in (its model, micro-batch size and
+    sequence length) where it leaves them out; other entry points' as they are."""
+    recipe = entry_point.removeprefix(RECIPE_PREFIX) if entry_point.startswith(RECIPE_PREFIX) \
+        else None
+    if recipe not in DEFAULT_MODELS:
+        return dict(hps)
+    return {"model": DEFAULT_MODELS[recipe], "micro_batch_size": DEFAULTS["micro_batch_size"],
+            "seq_len": DEFAULTS["seq_len"], **hps}
 
 
 def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str, model_known: bool = True,

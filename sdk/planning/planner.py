@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dtrain.core import instances
+from dtrain.core import instances, recipe_inputs
 from dtrain.core import pipeline as ppl
 from dtrain.core import tensor_parallel as tpl
 from dtrain.core.errors import SpecError
@@ -143,7 +143,7 @@ def plan(spec: JobSpec) -> Plan:
     inst = compute.instance
     ppn = compute.resolved_processes_per_instance
     world = compute.world_size
-    model = model_shape(spec.hyperparameters)
+    model = model_shape(recipe_inputs.as_the_recipe_reads(spec.entry_point, spec.hyperparameters))
     precision = resolve_mixed_precision(dist.mixed_precision, inst)
     backend = "gloo" if dist.backend == "gloo" or not inst.has_gpu else "nccl"
     cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn,
@@ -275,9 +275,10 @@ def _parallelism(spec, model, work, notes) -> ParallelismPlan | None:
     except ParallelismError as exc:
         raise SpecError(str(exc)) from None
     if result is None:
+        why = ("give hyperparameters.model or num_parameters to plan it here" if model is None
+               else f"{inst.name} has no device memory to size it against here")
         notes.append("sharding_degree / tensor_parallel_degree auto: resolved at run time from "
-                     "the model's parameter count (give hyperparameters.model or num_parameters "
-                     "to plan it here)")
+                     f"the model's parameter count ({why})")
     return result
 
 

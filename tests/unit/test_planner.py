@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from dtrain.core import parallelism as partitioning
 from dtrain.core.errors import SpecError
@@ -10,6 +12,7 @@ from dtrain.planning.planner import plan
 from dtrain.spec.model import JobSpec
 
 GB = 1e9
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def p4d_job(nodes: int, degree, **hps) -> JobSpec:
@@ -185,3 +188,15 @@ def test_the_plan_refuses_what_the_runtime_would_at_its_first_step(overrides, sa
     with pytest.raises(SpecError) as caught:
         plan(spec)
     assert str(caught.value).startswith(said)
+
+
+def test_a_recipe_is_planned_with_the_model_batch_and_length_the_recipe_uses():
+    # what the recipe leaves out, it fills in (recipe_inputs.DEFAULTS): the plan sizes that job
+    spec = JobSpec.from_dict({
+        "entry_point": "recipe:causal_lm", "hyperparameters": {"steps": 10},
+        "compute": {"target": "local", "instance_type": "local", "instance_count": 1}})
+    shape = plan(spec).model
+    assert (shape.source, shape.micro_batch_size, shape.seq_len) == ("gpt-neox-tiny", 8, 128)
+    script = JobSpec.from_dict({**spec.to_dict(), "entry_point": "train.py",
+                                "source_dir": str(ROOT / "examples" / "sagemaker_src")})
+    assert plan(script).model is None  # a script's model is its own: nothing to size

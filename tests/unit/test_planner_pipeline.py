@@ -5,6 +5,7 @@ stage's share, the predicted bubble and transfers, and `pipeline_parallel_degree
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 from dtrain.core.errors import SpecError
@@ -13,13 +14,19 @@ from dtrain.planning.planner import plan as make_plan
 from dtrain.planning.report import render_plan
 from dtrain.spec.model import JobSpec
 
+ROOT = Path(__file__).resolve().parents[2]
 # GPT-NeoX, 8 blocks, a 5376-token head worth about six blocks (tests/unit/test_pipeline_partition)
 UNBALANCED = {"model": "gpt-neox-tiny", "num_layers": 8, "vocab_size": 5376, "seq_len": 64,
               "micro_batch_size": 4}
 
 
-def planned(distribution: dict, *, hyperparameters: dict | None = None, **compute):
-    spec = {"entry_point": "recipe:causal_lm", "distribution": distribution,
+def planned(distribution: dict, *, hyperparameters: dict | None = None, script: bool = False,
+            **compute):
+    """A recipe's plan, or with ``script`` a training script's (whose model the plan knows
+    only from ``hyperparameters``)."""
+    entry = {"entry_point": "train.py", "source_dir": str(ROOT / "examples" / "sagemaker_src")} \
+        if script else {"entry_point": "recipe:causal_lm"}
+    spec = {**entry, "distribution": distribution,
             "hyperparameters": UNBALANCED if hyperparameters is None else hyperparameters,
             "compute": {"instance_count": 2, "processes_per_instance": 2, **compute}}
     if compute.get("target", "local") != "local":
@@ -57,7 +64,7 @@ def test_a_uniform_partition_is_predicted_as_it_runs():
 
 def test_without_a_model_shape_the_partition_is_measured_at_run_time():
     text = render_plan(planned({"pipeline_parallel_degree": 2, "sharding_degree": 1},
-                               hyperparameters={}))
+                               hyperparameters={}, script=True))
     assert "partition                    auto: measured at run time" in text
 
 
