@@ -74,10 +74,13 @@ def _finish(record: Any, output: str) -> None:
 
 
 def _resume_hint(record: Any) -> str | None:
-    """The command that resumes a stopped job from its newest checkpoint."""
+    """The command that resumes a stopped job from its newest checkpoint, if it left one."""
     from dtrain.core.states import STOPPED
+    from dtrain.jobs import api as jobs
 
-    return f"dtrain submit --resume {record.id}" if record.status == STOPPED else None
+    if record.status != STOPPED or jobs.resume_problem(record):
+        return None
+    return f"dtrain submit --resume {record.id}"
 
 
 def _dry_run(spec: Any, output: str) -> None:

@@ -163,6 +163,23 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     return store.get(record.id)
 
 
+def resume_problem(record: JobRecord) -> str | None:
+    """Why ``record``'s job cannot be resumed (None: it can): it recorded no checkpoint
+    location, or that location is a folder here without a complete checkpoint. A location in
+    S3 is taken as it is (the Trainer starts afresh if it holds none)."""
+    from dtrain.core import checkpoint_layout, s3
+
+    location = (record.target_data or {}).get("checkpoints")
+    if not location:
+        return (f"job {record.id} recorded no checkpoint location (it never started, or an "
+                "older dtrain submitted it); resubmit with --set checkpoint.uri=<where its "
+                "checkpoints are>")
+    if not s3.is_s3_uri(location) and not checkpoint_layout.complete_checkpoints(location):
+        return (f"job {record.id} left no complete checkpoint in {location} (it stopped before "
+                "its first); submit its spec again to start afresh")
+    return None
+
+
 def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] | None = None,
                 store: JobStore | None = None,
                 clients: dict[str, Any] | None = None) -> JobSpec:
@@ -174,12 +191,10 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
 
     store = store or JobStore()
     record = find(job, store=store)
-    launcher = launcher_for(record.target, clients)
-    location = handle_of(record, launcher).state.checkpoints
-    if not location:
-        raise DtrainError(f"job {record.id} recorded no checkpoint location (it never started, "
-                          "or an older dtrain submitted it); resubmit with --set "
-                          "checkpoint.uri=<where its checkpoints are>")
+    problem = resume_problem(record)
+    if problem:
+        raise DtrainError(problem)
+    location = handle_of(record, launcher_for(record.target, clients)).state.checkpoints
     from dtrain.spec.io import apply_overrides
 
     data = spec.to_dict() if spec is not None else apply_overrides(record.spec, overrides or [])

@@ -173,14 +173,27 @@ def test_resume_uses_the_jobs_checkpoint_location_on_the_same_target(tmp_path):
         jobs.resume_spec(bare.id, store=store)
 
 
-def test_a_stopped_job_says_how_to_resume_it_and_a_failed_one_does_not():
+def test_a_stopped_job_says_how_to_resume_it_and_a_failed_one_does_not(tmp_path):
     store = JobStore()
     spec = {"name": "tiny", "entry_point": "recipe:causal_lm"}
-    stopped = store.create(name="tiny-stopped", target="local", spec=spec, status="Stopped")
-    failed = store.create(name="tiny-failed", target="local", spec=spec, status="Failed")
+    saved, empty = tmp_path / "saved", tmp_path / "empty"
+    (saved / "step-000040").mkdir(parents=True)
+    (saved / "step-000040" / "COMPLETE").write_text("")
+    (empty / "step-000080.tmp").mkdir(parents=True)  # a checkpoint never finished
+    stopped = store.create(name="tiny-stopped", target="local", spec=spec, status="Stopped",
+                           target_data={"checkpoints": str(saved)})
+    failed = store.create(name="tiny-failed", target="local", spec=spec, status="Failed",
+                          target_data={"checkpoints": str(saved)})
     shown = dtrain("status", stopped.id)
     assert f"resume    dtrain submit --resume {stopped.id}\n" in shown.stdout
     assert "resume " not in dtrain("status", failed.id).stdout
+    # stopped before its first checkpoint: no resume is offered, and one asked for is refused
+    early = store.create(name="tiny-early", target="local", spec=spec, status="Stopped",
+                         target_data={"checkpoints": str(empty)})
+    assert "resume " not in dtrain("status", early.id).stdout
+    refused = dtrain("submit", "--resume", early.id)
+    assert refused.returncode != 0
+    assert f"left no complete checkpoint in {empty}" in refused.stderr
 
 
 def test_a_hang_up_is_a_ctrl_c_except_under_nohup():
