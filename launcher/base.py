@@ -217,6 +217,12 @@ class Launcher(ABC):
     def build_request(self, spec: JobSpec, plan: Plan, job: JobIdentity) -> Request:
         """The exact request ``submit`` sends. Pure: no I/O, no clock, no state."""
 
+    def known_before_submit(self, request: Request) -> dict[str, Any]:
+        """State fields ``request`` fixes before ``submit`` runs (where the job's files will
+        be), stored with the job's first record: a record restored from the store's backup,
+        which is taken then, still leads ``status`` to them."""
+        return {}
+
     @abstractmethod
     def submit(self, request: Request, journal: Journal) -> Handle:
         """Start the job; record what is learnt in ``journal`` and return the job's handle.

@@ -96,14 +96,18 @@ class LocalLauncher(Launcher):
 
     # ---------------------------------------------------------------- submit
 
-    def submit(self, request: Request, journal: Journal) -> Handle:
+    def known_before_submit(self, request: Request) -> dict[str, Any]:
         payload = request.payload
         job_dir = os.path.abspath(os.path.join(payload["output_path"] or jobs_folder(),
                                                request.job.id))
-        journal.record(Update(log_location=job_dir, output_location=job_dir,
-                              state=LocalState.changes(job_dir=job_dir, hosts=payload["hosts"],
-                                                       checkpoints=checkpoint_folder(payload,
-                                                                                     job_dir))))
+        return LocalState.changes(job_dir=job_dir, hosts=payload["hosts"],
+                                  checkpoints=checkpoint_folder(payload, job_dir))
+
+    def submit(self, request: Request, journal: Journal) -> Handle:
+        payload = request.payload
+        known = self.known_before_submit(request)
+        job_dir = known["job_dir"]
+        journal.record(Update(log_location=job_dir, output_location=job_dir, state=known))
         try:
             os.makedirs(job_dir, exist_ok=False)
             os.makedirs(checkpoint_folder(payload, job_dir), exist_ok=True)

@@ -87,6 +87,10 @@ class SlurmLauncher(Launcher):
             "inputs": dict(spec.inputs),
         })
 
+    def known_before_submit(self, request: Request) -> dict[str, Any]:
+        return SlurmState.changes(job_dir=request.payload["job_dir"],
+                                  checkpoints=request.payload["node"]["checkpoint_dir"])
+
     def submit(self, request: Request, journal: Journal) -> Handle:
         """Make the job's folder and ``sbatch`` the script; on failure remove the folder."""
         payload = request.payload
@@ -97,9 +101,7 @@ class SlurmLauncher(Launcher):
                               "run dtrain on the login node and create it on the shared file "
                               f"system (mkdir -p {shared})")
         journal.record(Update(log_location=job_dir, output_location=job_dir,
-                              state=SlurmState.changes(
-                                  job_dir=job_dir,
-                                  checkpoints=payload["node"]["checkpoint_dir"])))
+                              state=self.known_before_submit(request)))
         try:
             os.makedirs(job_dir, exist_ok=False)
             self._prepare(request, job_dir)

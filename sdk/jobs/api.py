@@ -142,7 +142,8 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     record = store.create(job_id=request.job.id, name=request.job.name, target=launcher.name,
                           spec=spec.to_dict(), status=PENDING,
                           created_at=request.job.submitted_at,
-                          target_data={"submitter": process.this_process()})
+                          target_data={"submitter": process.this_process(),
+                                       **launcher.known_before_submit(request)})
     journal = StoreJournal(store, launcher, record.id)
     try:
         launcher.submit(request, journal)

@@ -85,3 +85,27 @@ def test_an_unwritable_home_is_one_line_naming_the_folder(tmp_path):
     error = one_line_error(dtrain("list", env={"DTRAIN_HOME": str(blocker / "home")}))
     assert f"cannot create the job store's folder '{blocker / 'home'}'" in error
     assert "set DTRAIN_HOME" in error
+
+
+def test_repair_from_a_backup_taken_at_submit_finds_the_jobs_folder_and_its_end(dtrain_home,
+                                                                                 tmp_path):
+    # the backup is taken when the job is created, before the submit got further: the record
+    # it keeps must still lead status to the job's folder (it once read as lost, for good)
+    from _cli import write_job
+
+    spec = write_job(tmp_path, "print('done')")
+    done = dtrain("submit", spec)
+    assert done.returncode == 0, done.stdout + done.stderr
+    store = JobStore()
+    [job] = store.list()
+    assert job.status == "Completed"
+    with open(store.path, "wb") as fh:
+        fh.write(b"this is not a database, it was overwritten\n" * 100)
+    for suffix in ("-wal", "-shm"):
+        if os.path.exists(store.path + suffix):
+            os.remove(store.path + suffix)
+    assert dtrain("store", "repair").returncode == 0
+    assert JobStore().get(job.id).status == "Pending"  # as the backup had it
+    shown = dtrain("status", job.id)
+    assert shown.returncode == 0, shown.stderr
+    assert JobStore().get(job.id).status == "Completed", shown.stdout
