@@ -251,8 +251,11 @@ def status(job: str, output: str) -> None:
     if output == "json":
         echo_json(record.to_dict())
         return
+    detail = (record.target_data or {}).get("secondary_status")
     rows = [("id", record.id), ("name", record.name), ("target", record.target),
-            ("status", record.status), ("created", _fmt_time(record.created_at)),
+            ("status", f"{record.status} ({detail})"
+             if detail and detail.casefold() != record.status.casefold() else record.status),
+            ("created", _fmt_time(record.created_at)),
             ("started", _fmt_time(record.started_at)), ("ended", _fmt_time(record.ended_at)),
             ("duration", _duration(record)), ("logs", record.log_location or "-"),
             ("output", record.output_location or "-")]
