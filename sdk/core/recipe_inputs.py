@@ -127,12 +127,15 @@ def model_positions(model: str) -> int | None:
 
 def data_problems(path: Path, *, what: str) -> list[str]:
     """Problems of the recipe's data at ``path`` (``what`` names it: ``inputs.train``): an
-    empty token file, a token file without its sidecar, text files that are binary."""
+    empty token file, a token file without its sidecar, text files that are binary or all
+    empty."""
     try:
         if path.is_dir() and not (path / TOKENS_FILE).is_file():
             files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
             if not files:
                 return [f"{what}: {path} holds no text files and no {TOKENS_FILE}; add data"]
+            if not any(file.stat().st_size for file in files[:MAX_FILES_PROBED]):
+                return [f"{what}: the text files in {path} are all empty; add data"]
             return [problem for file in files[:MAX_FILES_PROBED]
                     if (problem := _text_problem(file, what))][:3]
         tokens = path / TOKENS_FILE if path.is_dir() else path

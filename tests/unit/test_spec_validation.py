@@ -461,6 +461,11 @@ def test_a_recipe_refuses_local_data_it_cannot_train_on_naming_the_channel(tmp_p
     msg = problems({**RECIPE, "inputs": {"corpus": str(garbage)},
                     "hyperparameters": {"data": "corpus"}})
     assert f"inputs.corpus: {garbage / 'notes.txt'} is binary, not text" in msg
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("")
+    msg = problems({**RECIPE, "inputs": {"train": str(empty)}})
+    assert f"inputs.train: the text files in {empty} are all empty; add data" in msg
 
 
 def test_environment_values_are_text_and_a_boolean_must_be_quoted():
