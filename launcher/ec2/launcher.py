@@ -309,8 +309,14 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         # a launch still under way finishes the stop itself (it checks around its RunInstances)
         launched = state_of(handle).launched
         under_way = not launched and process.process_alive(state_of(handle).submitter) is not False
-        return journal.record(Update(status=STOPPING if launched or under_way else STOPPED,
-                                     failure_reason=STOP_REASON, state=done))
+        handle = journal.record(Update(status=STOPPING if launched or under_way else STOPPED,
+                                       failure_reason=STOP_REASON, state=done))
+        if launched:  # its nodes are gone, their last reports written: the job ends here
+            status, fields, changes = self._observe(handle)
+            if status in FINAL_STATUSES:
+                handle = journal.record(Update(status=status, state=Ec2State.changes(**changes),
+                                               **fields))
+        return handle
 
     # ---------------------------------------------------------------- `dtrain ec2 gc`
 

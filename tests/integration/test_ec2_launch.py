@@ -263,7 +263,8 @@ def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
 def test_stop_leaves_no_running_instance_and_no_dtrain_security_group(aws):
     target = ec2_target(aws, assume_yes=True)
     record = target.stop(target.submit())
-    assert record.status == "Stopping" and record.target_data["cleanup"]["state"] == "done"
+    assert record.status == "Stopped" and record.target_data["cleanup"]["state"] == "done"
+    assert record.failure_reason.startswith("stopped by user")
     assert live_instances(aws["ec2"]) == []
     assert dtrain_groups(aws["ec2"]) == []
     assert aws["pg"].groups == {}
