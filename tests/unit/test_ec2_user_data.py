@@ -31,7 +31,8 @@ def _stub(folder: Path, name: str, body: str) -> None:
 # IMDSv2 as the script asks it: a token, then the node's launch index (none: a 404)
 CURL = """case "$*" in
   *api/token*) echo token ;;
-  *meta-data/ami-launch-index*) [ -n "$LAUNCH_INDEX" ] && echo -n "$LAUNCH_INDEX" || exit 22 ;;
+  *meta-data/ami-launch-index*) echo "curl ami-launch-index" >> "$CALLS"
+    [ -n "$LAUNCH_INDEX" ] && echo -n "$LAUNCH_INDEX" || exit 22 ;;
   *meta-data/local-ipv4*) echo -n 10.0.0.5 ;;
   *) exit 22 ;;
 esac
@@ -51,7 +52,8 @@ def run_user_data(tmp_path, *, aws_exit=0, launch_index="1"):
     _stub(bin_dir, "curl", CURL)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "DTRAIN_BOOTSTRAP_DIR": str(tmp_path / "w"),
            "DTRAIN_PYTHON": str(bin_dir / "python-stub"), "AWS_DEFAULT_REGION": "us-east-1",
-           "DTRAIN_HOME": str(tmp_path / "home"), "LAUNCH_INDEX": launch_index}
+           "DTRAIN_HOME": str(tmp_path / "home"), "LAUNCH_INDEX": launch_index,
+           "CALLS": str(calls)}
     subprocess.run(["bash", str(script)], env=env, timeout=60, check=False)
     return calls.read_text().splitlines(), tmp_path / "w"
 
@@ -59,11 +61,12 @@ def run_user_data(tmp_path, *, aws_exit=0, launch_index="1"):
 def test_user_data_installs_runs_the_bootstrap_and_powers_off(tmp_path):
     calls, work = run_user_data(tmp_path)
     assert calls[0] == 'shutdown -h +735 dtrain: max_run reached'
+    assert calls[1] == "curl ami-launch-index"  # the rank, 1 here, as the node's launch index
     wheel = packaging.wheel_name()
-    assert calls[1].startswith("aws s3 cp --only-show-errors s3://dtrain-example-bucket/dtrain/"
+    assert calls[2].startswith("aws s3 cp --only-show-errors s3://dtrain-example-bucket/dtrain/"
                                f"job-1/source/{wheel} ")
-    assert calls[2] == f"python -m pip install --quiet {work}/{wheel}"
-    assert calls[3] == (f"python -m dtrain.launcher.ec2.node.bootstrap --config {work}/job.json "
+    assert calls[3] == f"python -m pip install --quiet {work}/{wheel}"
+    assert calls[4] == (f"python -m dtrain.launcher.ec2.node.bootstrap --config {work}/job.json "
                         f"--rank 1 --work-dir {work}")
     assert calls[-1] == "shutdown -h now dtrain: node finished"
     config = json.loads((work / "job.json").read_text())
@@ -79,6 +82,7 @@ def test_user_data_powers_off_when_the_wheel_cannot_be_fetched(tmp_path, aws_exi
 
 def test_a_node_that_cannot_read_its_launch_index_reports_it_and_powers_off(tmp_path):
     calls, _ = run_user_data(tmp_path, launch_index="")
+    assert calls.count("curl ami-launch-index") == 5  # asked again, 2 s apart, before giving up
     assert not any(c.startswith(("python", "aws s3 cp --only-show-errors s3://")) for c in calls)
     status = [c for c in calls if c.startswith("aws s3 cp --only-show-errors - ")]
     assert status and status[0].endswith("/status/10.0.0.5.json")

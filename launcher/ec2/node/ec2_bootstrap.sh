@@ -43,8 +43,12 @@ fail() {
 }
 
 # Every node runs this same script: its rank is its launch index in the job's one RunInstances
-# request (0 to N-1).
-DTRAIN_NODE_RANK=$(imds ami-launch-index) || DTRAIN_NODE_RANK=
+# request (0 to N-1). Asked a few times: one slow answer at boot must not cost the cluster.
+for attempt in 1 2 3 4 5; do
+  DTRAIN_NODE_RANK=$(imds ami-launch-index) && break
+  DTRAIN_NODE_RANK=
+  [ "$attempt" -lt 5 ] && sleep 2
+done
 if ! [[ $DTRAIN_NODE_RANK =~ ^[0-9]+$ ]]; then
   DTRAIN_NODE_RANK=
   fail "could not read this node's launch index (ami-launch-index) from the instance metadata"
