@@ -124,8 +124,7 @@ class Launch:
                        f"group {group['GroupName']}, in one request\n")
         self.run_instances_pending = True
         launched = ec2.run_instances(**nodes)["Instances"]
-        created.instances.extend(i["InstanceId"] for i in
-                                 sorted(launched, key=lambda i: i.get("AmiLaunchIndex", 0)))
+        created.instances.extend(i["InstanceId"] for i in res.in_rank_order(launched))
         self.run_instances_pending = False
         self._check_not_stopped()
         return {"instance_ids": list(created.instances), "subnet_id": values["subnet_id"],

@@ -32,7 +32,9 @@ def read_status_objects(s3: Any, prefix: str) -> list[dict[str, Any]]:
     bucket, _ = s3_uri.split(prefix)
     nodes = [layout.read_json(s3, bucket, key)
              for key in layout.list_keys(s3, layout.status_folder(prefix)) if key.endswith(".json")]
-    return sorted(nodes, key=lambda n: n.get("rank", 0))
+    # a node that could not learn its rank reports none (null): it sorts last
+    return sorted(nodes, key=lambda n: n["rank"] if isinstance(n.get("rank"), int)
+                  else float("inf"))
 
 
 def job_state(instances: dict[str, str], nodes: list[dict], num_nodes: int) -> dict[str, Any]:

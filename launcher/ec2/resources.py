@@ -117,14 +117,19 @@ def check_reservation(ec2: Any, reservation_id: str, *, zone: str, instance_type
 # ---------------------------------------------------------------- a job's resources by tag
 
 def job_instances(ec2: Any, job: str | None, *, launch: str | None = None) -> list[dict[str, Any]]:
-    """dtrain's instances (of one job, or all; of one launch of it), in node-rank order (a
-    node's rank is its launch index in the launch's one RunInstances request)."""
+    """dtrain's instances (of one job, or all; of one launch of it), in rank order."""
     found = []
     for page in ec2.get_paginator("describe_instances").paginate(
             Filters=tags.filters(job, launch)):
         for reservation in page["Reservations"]:
             found += reservation["Instances"]
-    return sorted(found, key=lambda i: i.get("AmiLaunchIndex", 0))
+    return in_rank_order(found)
+
+
+def in_rank_order(instances: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A launch's nodes by rank: a node's rank is its launch index in the launch's one
+    RunInstances request (what its bootstrap reads from the instance metadata)."""
+    return sorted(instances, key=lambda i: i.get("AmiLaunchIndex", 0))
 
 
 def job_security_groups(ec2: Any, job: str | None, *,

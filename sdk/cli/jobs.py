@@ -125,11 +125,19 @@ def _submit_clients(spec: Any, yes: bool) -> dict[str, Any] | None:
     return {"assume_yes": yes, "confirm": confirm}
 
 
+def _status_with_detail(record: Any) -> str:
+    """The status, and while the job has not ended the target's finer one beside it
+    (``Running (MonitorGone)``, ``Stopping (Interrupted)``)."""
+    detail = (record.target_data or {}).get("secondary_status")
+    if not detail or record.is_final or detail.casefold() == record.status.casefold():
+        return record.status
+    return f"{record.status} ({detail})"
+
+
 def _print_transition(record: Any) -> None:
     """Status changes while waiting; cloud targets also report a finer secondary status."""
-    secondary = (record.target_data or {}).get("secondary_status")
     if record.target != "local" and not record.is_final:
-        click.echo(f"status: {record.status}" + (f" ({secondary})" if secondary else ""))
+        click.echo(f"status: {_status_with_detail(record)}")
 
 
 @click.command()
@@ -251,11 +259,8 @@ def status(job: str, output: str) -> None:
     if output == "json":
         echo_json(record.to_dict())
         return
-    detail = (record.target_data or {}).get("secondary_status")
     rows = [("id", record.id), ("name", record.name), ("target", record.target),
-            ("status", f"{record.status} ({detail})"
-             if detail and detail.casefold() != record.status.casefold() else record.status),
-            ("created", _fmt_time(record.created_at)),
+            ("status", _status_with_detail(record)), ("created", _fmt_time(record.created_at)),
             ("started", _fmt_time(record.started_at)), ("ended", _fmt_time(record.ended_at)),
             ("duration", _duration(record)), ("logs", record.log_location or "-"),
             ("output", record.output_location or "-")]

@@ -189,6 +189,9 @@ def test_a_stopped_job_says_how_to_resume_it_and_a_failed_one_does_not(tmp_path)
     running = store.create(name="tiny-running", target="local", spec=spec, status="Running",
                            target_data={"secondary_status": "MonitorGone"})
     assert "status    Running (MonitorGone)\n" in dtrain("status", running.id).stdout
+    ended = store.create(name="tiny-ended", target="local", spec=spec, status="Completed",
+                         target_data={"secondary_status": "MonitorGone"})
+    assert "status    Completed\n" in dtrain("status", ended.id).stdout  # it means no more
     assert "resume " not in dtrain("status", failed.id).stdout
     # stopped before its first checkpoint: no resume is offered, and one asked for is refused
     early = store.create(name="tiny-early", target="local", spec=spec, status="Stopped",

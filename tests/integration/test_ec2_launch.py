@@ -35,6 +35,7 @@ from dtrain.launcher import aws as aws_tags
 from dtrain.launcher import packaging
 from dtrain.launcher.base import Handle, JobIdentity
 from dtrain.launcher.ec2 import requests as req
+from dtrain.launcher.ec2 import resources as res
 from dtrain.launcher.ec2 import tags
 from dtrain.launcher.ec2.launcher import Ec2Launcher
 from dtrain.launcher.ec2.node import bootstrap as boot
@@ -258,6 +259,22 @@ def test_two_node_p4d_job_launches_tagged_in_one_subnet_with_its_user_data(aws):
             f"dtrain/{JOB}/source/{packaging.wheel_name()}"} <= keys
     assert target.launcher.job_status(target.handle(record))["status"] == "Starting"
     assert target.status(record).status == "Starting"  # no node has reported running yet
+
+
+def test_nodes_are_recorded_and_listed_by_launch_index_whatever_order_ec2_answers_in(aws):
+    # a node's rank is its launch index; EC2 does not promise its lists in that order
+    def reverse_instances(parsed, **_):
+        parsed.get("Instances", []).reverse()
+        for reservation in parsed.get("Reservations", []):
+            reservation["Instances"].reverse()
+        parsed.get("Reservations", []).reverse()
+    aws["ec2"].meta.events.register("after-call.ec2.RunInstances", reverse_instances)
+    aws["ec2"].meta.events.register("after-call.ec2.DescribeInstances", reverse_instances)
+    record = ec2_target(aws, assume_yes=True).submit()
+    index = {i["InstanceId"]: i["AmiLaunchIndex"] for i in live_instances(aws["ec2"])}
+    assert [index[i] for i in record.target_data["instance_ids"]] == [0, 1]
+    listed = res.job_instances(aws["ec2"], JOB)
+    assert [i["AmiLaunchIndex"] for i in listed] == [0, 1]
 
 
 def test_stop_leaves_no_running_instance_and_no_dtrain_security_group(aws):

@@ -110,3 +110,23 @@ def test_the_first_failure_report_is_the_reason_whatever_the_nodes_rank():
     state = job_state({"i-0": "running", "i-1": "running"}, nodes, 2)
     assert state["status"] == "Failed"
     assert state["failure_reason"] == "rank 5 on 10.0.0.2 exited with code 1: KeyError: 'x'"
+
+
+
+def test_a_report_without_a_rank_sorts_last_instead_of_breaking_status():
+    import json
+
+    import boto3
+    from dtrain.launcher.ec2 import nodes
+    from moto import mock_aws
+
+    # a node that could not read its launch index reports "rank": null (the bootstrap's shell)
+    reports = {"10.0.0.9": None, "10.0.0.7": 1, "10.0.0.5": 0}
+    with mock_aws():
+        s3 = boto3.client("s3", region_name="us-east-1")
+        s3.create_bucket(Bucket="dtrain-test")
+        for host, rank in reports.items():
+            s3.put_object(Bucket="dtrain-test", Key=f"j/status/{host}.json",
+                          Body=json.dumps({"rank": rank, "host": host}))
+        ordered = nodes.read_status_objects(s3, "s3://dtrain-test/j")
+    assert [n["rank"] for n in ordered] == [0, 1, None]

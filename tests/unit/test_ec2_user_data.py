@@ -34,6 +34,7 @@ CURL = """case "$*" in
   *meta-data/ami-launch-index*) echo "curl ami-launch-index" >> "$CALLS"
     [ -n "$LAUNCH_INDEX" ] && echo -n "$LAUNCH_INDEX" || exit 22 ;;
   *meta-data/local-ipv4*) echo -n 10.0.0.5 ;;
+  *meta-data/instance-id*) echo -n i-0 ;;
   *) exit 22 ;;
 esac
 """

@@ -17,12 +17,18 @@ exec > >(tee -a "$WORK_DIR/@@BOOTSTRAP_LOG@@") 2>&1
 shutdown -h +@@SHUTDOWN_AFTER_MIN@@ "dtrain: max_run reached"
 trap 'sync; shutdown -h now "dtrain: node finished"' EXIT
 
-imds() {  # IMDSv2 only (the instance requires tokens); the AWS SDKs' variable moves it
-  local token endpoint=${AWS_EC2_METADATA_SERVICE_ENDPOINT:-http://169.254.169.254}
-  token=$(curl -sf --max-time 2 -X PUT "$endpoint/latest/api/token" \
-    -H "X-aws-ec2-metadata-token-ttl-seconds: 300") || return 1
-  curl -sf --max-time 2 -H "X-aws-ec2-metadata-token: $token" \
-    "$endpoint/latest/meta-data/$1"
+# IMDSv2 only (the instance requires tokens); the AWS SDKs' variable moves it. Asked up to five
+# times, 2 s apart: one slow answer at boot must not cost the node, and so the cluster.
+imds() {
+  local token attempt endpoint=${AWS_EC2_METADATA_SERVICE_ENDPOINT:-http://169.254.169.254}
+  for attempt in 1 2 3 4 5; do
+    token=$(curl -sf --max-time 2 -X PUT "$endpoint/latest/api/token" \
+      -H "X-aws-ec2-metadata-token-ttl-seconds: 300") \
+      && curl -sf --max-time 2 -H "X-aws-ec2-metadata-token: $token" \
+        "$endpoint/latest/meta-data/$1" && return 0
+    [ "$attempt" -lt 5 ] && sleep 2
+  done
+  return 1
 }
 export AWS_DEFAULT_REGION=${AWS_DEFAULT_REGION:-$(imds placement/region)}
 
@@ -43,12 +49,8 @@ fail() {
 }
 
 # Every node runs this same script: its rank is its launch index in the job's one RunInstances
-# request (0 to N-1). Asked a few times: one slow answer at boot must not cost the cluster.
-for attempt in 1 2 3 4 5; do
-  DTRAIN_NODE_RANK=$(imds ami-launch-index) && break
-  DTRAIN_NODE_RANK=
-  [ "$attempt" -lt 5 ] && sleep 2
-done
+# request (0 to N-1).
+DTRAIN_NODE_RANK=$(imds ami-launch-index) || DTRAIN_NODE_RANK=
 if ! [[ $DTRAIN_NODE_RANK =~ ^[0-9]+$ ]]; then
   DTRAIN_NODE_RANK=
   fail "could not read this node's launch index (ami-launch-index) from the instance metadata"
