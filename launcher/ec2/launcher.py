@@ -3,8 +3,8 @@
 ``build_request`` is pure (``requests``): every EC2 call with ``{{placeholders}}`` for what only
 ``submit`` learns, and the uploads (source archive, runtime wheel) to
 ``{output_path}/{job}/source/``. ``submit`` shows the cost, asks above ``ec2.confirm_above_usd``
-(unless told yes), then launches (``launch``: lookups, uploads, groups, one node at a time, all
-rolled back on any failure).
+(unless told yes), then launches (``launch``: lookups, uploads, groups, every node in one
+request, all rolled back on any failure).
 
 Instances carry the job's tags (its S3 prefix, launch token and launch time included), nodes
 write ``{prefix}/status/<host>.json`` and their logs under ``{prefix}/logs/<host>/``. ``status``
@@ -212,8 +212,8 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
             return STOPPED, {"failure_reason": handle.failure_reason or STOP_REASON}, {}
         who = f"pid {owner['pid']} on {owner['host']}" if owner else "its launcher"
         return FAILED, {"failure_reason": f"launch interrupted: the process that launched it "
-                                          f"({who}) exited before every node was launched; "
-                                          "nothing of it is left running"}, {}
+                                          f"({who}) exited before it recorded its nodes; "
+                                          "what it launched is terminated"}, {}
 
     def _finish_stop(self, handle: Handle, instances: dict[str, str]) -> None:
         """`dtrain stop` was asked but nodes still run (it was cut short, or a launch raced it):
@@ -312,7 +312,10 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         handle = journal.record(Update(status=STOPPING if launched or under_way else STOPPED,
                                        failure_reason=STOP_REASON, state=done))
         if launched:  # its nodes are gone, their last reports written: the job ends here
-            status, fields, changes = self._observe(handle)
+            try:
+                status, fields, changes = self._observe(handle)
+            except Exception:  # noqa: BLE001 - stopped all the same; the next status ends it
+                return handle
             if status in FINAL_STATUSES:
                 handle = journal.record(Update(status=status, state=Ec2State.changes(**changes),
                                                **fields))

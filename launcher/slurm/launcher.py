@@ -51,6 +51,14 @@ class SlurmState(TargetState):
     model_data: str | None = None  # the first node's model/, where rank 0 writes the model
     stop_requested_at: float | None = None
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> SlurmState:
+        # records of dtrain before 2026-11-25 kept the checkpoint folder as checkpoint_dir
+        data = dict(data or {})
+        if not data.get("checkpoints") and data.get("checkpoint_dir"):
+            data["checkpoints"] = data["checkpoint_dir"]
+        return super().from_dict(data)
+
 
 class SlurmLauncher(Launcher):
     name = "slurm"

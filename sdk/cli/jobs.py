@@ -78,7 +78,7 @@ def _resume_hint(record: Any) -> str | None:
     from dtrain.core.states import STOPPED
     from dtrain.jobs import api as jobs
 
-    if record.status != STOPPED or jobs.resume_problem(record):
+    if record.status != STOPPED or jobs.resume_from(record)[1]:
         return None
     return f"dtrain submit --resume {record.id}"
 

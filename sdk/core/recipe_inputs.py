@@ -38,8 +38,9 @@ def as_the_recipe_reads(entry_point: str, hps: Mapping[str, Any]) -> dict[str, A
         else None
     if recipe not in DEFAULT_MODELS:
         return dict(hps)
+    given = {key: value for key, value in hps.items() if key != "model" or value}
     return {"model": DEFAULT_MODELS[recipe], "micro_batch_size": DEFAULTS["micro_batch_size"],
-            "seq_len": DEFAULTS["seq_len"], **hps}
+            "seq_len": DEFAULTS["seq_len"], **given}  # an empty model is the default, as below
 
 
 def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str, model_known: bool = True,
@@ -134,13 +135,15 @@ def data_problems(path: Path, *, what: str) -> list[str]:
             files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
             if not files:
                 return [f"{what}: {path} holds no text files and no {TOKENS_FILE}; add data"]
-            if not any(file.stat().st_size for file in files[:MAX_FILES_PROBED]):
+            if not any(file.stat().st_size for file in files):
                 return [f"{what}: the text files in {path} are all empty; add data"]
             return [problem for file in files[:MAX_FILES_PROBED]
                     if (problem := _text_problem(file, what))][:3]
         tokens = path / TOKENS_FILE if path.is_dir() else path
         if tokens.suffix == ".bin":
             return _token_problems(tokens, what)
+        if path.is_file() and path.stat().st_size == 0:
+            return [f"{what}: {path} is empty; add data"]
         return [problem] if (problem := _text_problem(path, what)) else []
     except OSError as exc:
         return [f"{what}: cannot read {path}: {exc.strerror or exc}"]

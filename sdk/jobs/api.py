@@ -155,6 +155,9 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
         store.update(record.id, status=FAILED, failure_reason=reason)  # unless it ended otherwise
         raise
     store.update(record.id, target_data={"submitter": None})  # the backend has the job
+    # what the target recorded meanwhile (an EC2 launch's nodes, a SageMaker job's name) is in
+    # the backup `dtrain store repair` restores from, not only the job's first record
+    store.back_up()
     if follow:
         for line in logs(record.id, follow=True, store=store, clients=clients):
             if on_line:
@@ -164,21 +167,23 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     return store.get(record.id)
 
 
-def resume_problem(record: JobRecord) -> str | None:
-    """Why ``record``'s job cannot be resumed (None: it can): it recorded no checkpoint
-    location, or that location is a folder here without a complete checkpoint. A location in
-    S3 is taken as it is (the Trainer starts afresh if it holds none)."""
+def resume_from(record: JobRecord, *,
+                clients: dict[str, Any] | None = None) -> tuple[str | None, str | None]:
+    """``(location, problem)``: where ``record``'s job kept its checkpoints, and why it cannot
+    be resumed from there (None: it can). It recorded no location, or the location is a folder
+    here without a complete checkpoint. A location in S3 is taken as it is (the Trainer starts
+    afresh if it holds none)."""
     from dtrain.core import checkpoint_layout, s3
 
-    location = (record.target_data or {}).get("checkpoints")
+    location = handle_of(record, launcher_for(record.target, clients)).state.checkpoints
     if not location:
-        return (f"job {record.id} recorded no checkpoint location (it never started, or an "
-                "older dtrain submitted it); resubmit with --set checkpoint.uri=<where its "
-                "checkpoints are>")
+        return None, (f"job {record.id} recorded no checkpoint location (it never started, or "
+                      "an older dtrain submitted it); resubmit with --set checkpoint.uri=<where "
+                      "its checkpoints are>")
     if not s3.is_s3_uri(location) and not checkpoint_layout.complete_checkpoints(location):
-        return (f"job {record.id} left no complete checkpoint in {location} (it stopped before "
-                "its first); submit its spec again to start afresh")
-    return None
+        return location, (f"job {record.id} left no complete checkpoint in {location} (it "
+                          "stopped before its first); submit its spec again to start afresh")
+    return location, None
 
 
 def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] | None = None,
@@ -192,10 +197,9 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
 
     store = store or JobStore()
     record = find(job, store=store)
-    problem = resume_problem(record)
+    location, problem = resume_from(record, clients=clients)
     if problem:
         raise DtrainError(problem)
-    location = handle_of(record, launcher_for(record.target, clients)).state.checkpoints
     from dtrain.spec.io import apply_overrides
 
     data = spec.to_dict() if spec is not None else apply_overrides(record.spec, overrides or [])

@@ -193,9 +193,14 @@ class JobStore:
             except sqlite3.DatabaseError as exc:  # not a database, or a malformed one
                 raise self.damaged(str(exc)) from None
 
+    def back_up(self) -> None:
+        """Take the backup now (``submit`` does, once the target has recorded a new job)."""
+        self._retry(lambda: self._backup(force=True))
+
     def _backup(self, *, force: bool = False) -> None:
-        """A copy of the store next to it, taken after each new job and at least daily: what
-        `dtrain store repair` falls back on when the store itself cannot be read."""
+        """A copy of the store next to it, taken after each new job (when it is created and
+        again when its submit has returned) and at least daily: what `dtrain store repair`
+        falls back on when the store itself cannot be read."""
         try:
             if not force and time.time() - os.path.getmtime(self.backup_path) < BACKUP_EVERY_S:
                 return
@@ -264,7 +269,7 @@ class JobStore:
                 conn.execute(f"INSERT INTO jobs ({','.join(COLUMNS)}) VALUES "
                              f"({','.join('?' * len(COLUMNS))})", [row[c] for c in COLUMNS])
         self._retry(insert)
-        self._retry(lambda: self._backup(force=True))
+        self.back_up()
         return record
 
     def update(self, job_id: str, *, status: str | None = None,

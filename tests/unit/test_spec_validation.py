@@ -466,6 +466,8 @@ def test_a_recipe_refuses_local_data_it_cannot_train_on_naming_the_channel(tmp_p
     (empty / "notes.txt").write_text("")
     msg = problems({**RECIPE, "inputs": {"train": str(empty)}})
     assert f"inputs.train: the text files in {empty} are all empty; add data" in msg
+    msg = problems({**RECIPE, "inputs": {"train": str(empty / "notes.txt")}})
+    assert f"inputs.train: {empty / 'notes.txt'} is empty; add data" in msg
 
 
 def test_environment_values_are_text_and_a_boolean_must_be_quoted():
