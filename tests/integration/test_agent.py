@@ -147,6 +147,39 @@ def test_sigterm_stops_workers_within_the_grace_period(tmp_path, live_processes)
     assert live_processes(str(tmp_path)) == []
 
 
+@pytest.mark.parametrize("total_steps", [10, 4])
+def test_workers_that_checkpoint_on_sigterm_and_exit_0_are_a_stop_unless_training_was_done(
+        tmp_path, total_steps):
+    # a script that returns after Trainer.fit saw the stop, without exit 143 (total 10: the
+    # checkpoint at step 4 is not the end), against workers that finished as the signal came
+    script = f"""
+    import json, os, pathlib, signal, time
+    def leave(*_):
+        checkpoint = pathlib.Path(os.environ["DTRAIN_CHECKPOINT_DIR"]) / "step-000004"
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        (checkpoint / "trainer.json").write_text(json.dumps({{"total_steps": {total_steps}}}))
+        (checkpoint / "COMPLETE").write_text("{{}}")
+        raise SystemExit(0)
+    signal.signal(signal.SIGTERM, leave)
+    print("started", flush=True)
+    time.sleep(120)
+    """
+    (root,) = make_job(tmp_path, script)
+    agent = start_agent(root)
+    _wait_for(lambda: (root / "output/logs/rank-0.stdout.log").exists()
+              and "started" in (root / "output/logs/rank-0.stdout.log").read_text())
+    agent.send_signal(signal.SIGTERM)
+    output = agent.communicate(timeout=60)[0]
+    failure = Path(c.Paths(str(root)).failure_file)
+    if total_steps == 10:
+        assert agent.returncode == 128 + signal.SIGTERM, output
+        assert failure.read_text().startswith("interrupted: training stopped at step 4 after a "
+                                              "checkpoint because this host received SIGTERM")
+    else:
+        assert agent.returncode == 0, output
+        assert not failure.exists()
+
+
 def test_killed_agent_takes_its_workers_with_it(tmp_path, live_processes):
     (root,) = make_job(tmp_path, "print('up', flush=True)\nimport time\ntime.sleep(120)\n")
     agent = start_agent(root)

@@ -81,7 +81,7 @@ def describe_interruption(contract: c.Contract, *, since: float, here: bool = Fa
     """The failure report of a host whose workers stopped because some host received SIGTERM
     (``here``: this one). Never raises: what cannot be read is left out of the description.
     """
-    step, folder, finished = _checkpoint_of_this_run(contract, since)
+    step, folder, finished = checkpoint_of_this_run(contract, since)
     location = _checkpoint_location(contract)
     which = "this host" if here else "a host"
     details = {"reason": "interrupted", "step": step, "rank": None,
@@ -90,8 +90,9 @@ def describe_interruption(contract: c.Contract, *, since: float, here: bool = Fa
     if step is None:
         details["summary"] = (
             f"interrupted: the workers on {contract.current_host} stopped early (exit code "
-            f"{c.PREEMPTED_EXIT_CODE}) because {which} received SIGTERM; resubmit to resume "
-            f"from the newest checkpoint in {location}")
+            f"{c.PREEMPTED_EXIT_CODE}) because {which} received SIGTERM, before this run wrote "
+            f"a checkpoint; resubmitted, the job resumes from the newest one in {location} if "
+            "there is one, else starts afresh")
     elif finished:
         details["model_note"] = model_note(step, f"{location.rstrip('/')}/{folder}")
         details["summary"] = f"interrupted: {details['model_note']}"
@@ -109,7 +110,7 @@ def model_note(step: int, checkpoint: str) -> str:
             "resume from it, which only writes the model")
 
 
-def _checkpoint_of_this_run(contract: c.Contract, since: float
+def checkpoint_of_this_run(contract: c.Contract, since: float
                             ) -> tuple[int | None, str | None, bool]:
     """(step, folder name, whether training had finished) of the newest checkpoint written
     since ``since``; (None, None, False) when there is none or it cannot be read."""
