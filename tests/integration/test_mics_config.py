@@ -140,6 +140,12 @@ def test_one_process_run_shards_a_meta_model_and_calls_init_weights(one_process_
     for micro in ctx.accumulate(model, [torch.ones(2, 8)] * 3, micro_batches_per_step=2):
         micro.scale(model(micro.batch).float().sum()).backward()
     assert model.out.weight.grad is not None
+    # without init_weights a meta model would train on what to_empty left (NaN, 1e35)
+    with torch.device("meta"):
+        bare = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="Sequential is on the meta device but has no "
+                                         "init_weights"):
+        rt.shard(bare, ctx)
 
 
 def test_accumulate_marks_every_window_end_and_the_last_batch_as_boundaries(one_process_ctx):

@@ -78,6 +78,7 @@ def shard(
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(f"shard: {type(model).__name__} is sharded already (its parameters are "
                          "DTensors); call shard() once per model")
+    _refuse_meta_without_init(model)
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
     _check_same_model_everywhere(model, ctx)
     _one_init_seed(model)
@@ -307,15 +308,25 @@ def _check_same_model_everywhere(model: nn.Module, ctx: RuntimeContext) -> None:
             f"building it (torch.manual_seed(seed)){meta}")
 
 
+def _refuse_meta_without_init(model: nn.Module) -> None:
+    """A model on the meta device holds no values: without ``init_weights`` to write them after
+    materialisation it would train on whatever memory ``to_empty`` left (NaN, 1e35)."""
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if on_meta and not callable(getattr(model, "init_weights", None)):
+        raise ValueError(
+            f"shard: {type(model).__name__} is on the meta device but has no init_weights() to "
+            "give it values once it is materialised; define init_weights() to fill every "
+            "parameter and buffer (copy whole values in: param.copy_(values)), or build the "
+            "model on a real device with the same seed on every rank")
+
+
 def _materialize_if_meta(model: nn.Module, ctx: RuntimeContext) -> None:
     tensors = list(model.parameters()) + list(model.buffers())
     if not any(t.is_meta for t in tensors):
         return
     model.to_empty(device=ctx.device)
-    init_weights = getattr(model, "init_weights", None)
-    if callable(init_weights):
-        with torch.no_grad(), WholeIntoSlice():
-            init_weights()
+    with torch.no_grad(), WholeIntoSlice():  # shard() refused a meta model without it
+        model.init_weights()
 
 
 class WholeIntoSlice(TorchFunctionMode):
