@@ -172,11 +172,11 @@ def test_bad_hyperparameters_are_one_line_errors_before_any_training(job, capsys
 
 
 
-def _tiny_fit(steps: int, loss_fn=None, **config):
+def _tiny_fit(steps: int, loss_fn=None, optimizer_of=None, **config):
     """One gloo rank trains gpt-neox-tiny for ``steps`` steps; returns the Trainer and result.
 
-    ``config``: more ``TrainerConfig`` fields. The process group is reused by later calls; the
-    caller destroys it.
+    ``config``: more ``TrainerConfig`` fields; ``optimizer_of(model)``: the optimizer to pass.
+    The process group is reused by later calls; the caller destroys it.
     """
     import dtrain.runtime as rt
     from dtrain.runtime.models import from_preset
@@ -189,7 +189,8 @@ def _tiny_fit(steps: int, loss_fn=None, **config):
     model = rt.shard(from_preset("gpt-neox-tiny"), ctx)
     loader = DistributedTokenLoader(encode_bytes([CORPUS]), window=33, micro_batch_size=2)
     trainer = Trainer(model, ctx, loss_fn or next_token_loss,
-                      config=TrainerConfig(steps=steps, **config))
+                      config=TrainerConfig(steps=steps, **config),
+                      optimizer=optimizer_of(model) if optimizer_of else None)
     return trainer, trainer.fit(loader)
 
 
@@ -285,6 +286,20 @@ def test_a_finished_run_leaves_a_checkpoint_of_its_last_step(job):
     assert latest_checkpoint(job / "checkpoints").name == "step-000002"
     assert (job / "model" / "config.json").is_file()
 
+
+
+def test_an_optimizer_passed_in_keeps_its_groups_learning_rates_shaped_by_the_schedule(job):
+    def two_rates(model):
+        params = list(model.parameters())
+        return torch.optim.SGD([{"params": params[:1], "lr": 0.5},
+                                {"params": params[1:], "lr": 0.05}])
+    try:
+        trainer, _ = _tiny_fit(3, optimizer_of=two_rates, lr=3e-4, warmup_steps=0,
+                               min_lr_ratio=0.5)
+    finally:
+        torch.distributed.destroy_process_group()
+    # the last update is at the floor, half of each group's own peak (not 1.5e-4 for both)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([0.25, 0.025])
 
 
 def test_a_stop_right_after_an_interval_checkpoint_does_not_write_that_step_again(

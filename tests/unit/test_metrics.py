@@ -131,6 +131,17 @@ def test_warmup_then_cosine_to_the_floor():
         WarmupCosine(1.0, 5, warmup_steps=6)
 
 
+def test_an_optimizer_of_ones_own_keeps_its_groups_learning_rates_as_peaks():
+    # the Trainer's own optimizer follows config.lr; a user's keeps its per-group rates, shaped
+    params = [nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))]
+    sgd = torch.optim.SGD([{"params": params[:1], "lr": 0.5}, {"params": params[1:], "lr": 0.05}])
+    schedule = WarmupCosine(3e-4, 5, min_lr_ratio=0.0)
+    assert schedule.apply(sgd, 2, peaks=[0.5, 0.05]) == pytest.approx(0.25)
+    assert [g["lr"] for g in sgd.param_groups] == pytest.approx([0.25, 0.025])
+    assert schedule.apply(sgd, 2) == pytest.approx(1.5e-4)  # no peaks: lr for every group
+    assert [g["lr"] for g in sgd.param_groups] == pytest.approx([1.5e-4, 1.5e-4])
+
+
 def test_adamw_does_not_decay_biases_and_norms():
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     groups = build_optimizer(model, lr=1e-3, weight_decay=0.1).param_groups

@@ -39,8 +39,12 @@ class WarmupCosine:
         cosine = 0.5 * (1 + math.cos(math.pi * progress))
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cosine)
 
-    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        lr = self.lr_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+    def apply(self, optimizer: torch.optim.Optimizer, step: int,
+              peaks: list[float] | None = None) -> float:
+        """Set every group's learning rate for update ``step``; returns the first group's.
+        ``peaks``: each group's own peak (an optimizer the user built), which the schedule
+        shapes alike, instead of ``lr`` for all."""
+        scale = self.lr_at(step) / self.lr
+        for index, group in enumerate(optimizer.param_groups):
+            group["lr"] = (self.lr if peaks is None else peaks[index]) * scale
+        return optimizer.param_groups[0]["lr"]

@@ -143,6 +143,8 @@ class Trainer:
         self.model, self.ctx, self.loss_fn, self.config = model, ctx, loss_fn, config
         self.optimizer = optimizer or build_optimizer(
             model, lr=config.lr, weight_decay=config.weight_decay)
+        # an optimizer of the user's keeps its groups' learning rates, as the schedule's peaks
+        self._peaks = None if optimizer is None else [g["lr"] for g in optimizer.param_groups]
         self.schedule = WarmupCosine(config.lr, config.steps, warmup_steps=config.warmup_steps,
                                      min_lr_ratio=config.min_lr_ratio)
         if loss_scaling is None:
@@ -223,7 +225,7 @@ class Trainer:
         grad_norm, scaled_norm = clip_and_unscale_(
             self.params, max_norm=self.config.max_grad_norm, loss_scale=self.scaler.scale,
             across=self.pipeline.pipeline_group if self.pipeline else None)
-        lr = self.schedule.apply(self.optimizer, self.step)
+        lr = self.schedule.apply(self.optimizer, self.step, self._peaks)
         scale = self.scaler.scale
         if self.scaler.update(scaled_norm):
             self.optimizer.step()
