@@ -302,6 +302,17 @@ def test_an_optimizer_passed_in_keeps_its_groups_learning_rates_shaped_by_the_sc
     assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([0.25, 0.025])
 
 
+def test_a_loss_fn_that_returns_only_the_loss_is_told_what_to_return(job):
+    from dtrain.runtime.recipes.causal_lm import next_token_loss
+
+    try:
+        with pytest.raises(TypeError, match=r"loss_fn returned Tensor; it must return "
+                                            r"\(loss, tokens\)"):
+            _tiny_fit(1, loss_fn=lambda model, batch: next_token_loss(model, batch)[0])
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_a_stop_right_after_an_interval_checkpoint_does_not_write_that_step_again(
         job, monkeypatch):
     from dtrain.runtime.recipes.causal_lm import next_token_loss

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dtrain.runtime.distributed.sharding import output_head
+import pytest
+from dtrain.runtime.distributed.sharding import find_blocks, output_head
 from dtrain.runtime.models import from_preset
 from torch import nn
 
@@ -24,3 +25,11 @@ def test_a_model_without_lm_head_or_with_a_frozen_one_has_none():
     model = from_preset("gpt-neox-tiny", attention="sdpa")
     model.lm_head.requires_grad_(False)
     assert output_head(model) is None
+
+
+def test_block_classes_that_match_nothing_are_named_in_the_error():
+    # before: "no transformer blocks found ...; pass block_classes" though they were passed
+    with pytest.raises(ValueError, match=r"^no blocks of Conv1d found in Sequential; pass "):
+        find_blocks(nn.Sequential(nn.Linear(2, 2)), [nn.Conv1d])
+    model = from_preset("gpt-neox-tiny", attention="sdpa")
+    assert len(find_blocks(model, None)) == model.config.num_layers

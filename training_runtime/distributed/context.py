@@ -203,7 +203,9 @@ class RuntimeContext:
 
     def hierarchy_groups(self) -> HierarchyGroups:
         """Stage groups for the plan's hierarchical all-gather (created once)."""
-        if self.plan is None or not self.plan.hierarchical_allgather:
+        if self.plan is None:
+            raise ValueError("no parallelism plan yet: call shard() (or build_mesh()) first")
+        if not self.plan.hierarchical_allgather:
             raise ValueError("the parallelism plan does not use the hierarchical all-gather")
         if self._hierarchy is None:
             self._hierarchy = build_hierarchy_groups(self.plan, rank=self.rank)

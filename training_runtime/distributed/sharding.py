@@ -191,9 +191,10 @@ def find_blocks(
         if module is not model and matches(module) and not nested:
             blocks.append(module)
     if not blocks:
-        raise ValueError(
-            f"no transformer blocks found in {type(model).__name__}; pass block_classes=[...]"
-        )
+        wanted = ", ".join(c.__name__ for c in classes) if block_classes is not None else \
+            f"_no_split_modules ({', '.join(sorted(names))})"
+        raise ValueError(f"no blocks of {wanted} found in {type(model).__name__}; pass "
+                         "block_classes=[...] with the class of its repeated blocks")
     return blocks
 
 

@@ -257,7 +257,14 @@ class Trainer:
                           ) -> tuple[torch.Tensor, int]:
         """One micro-step (a pipeline step of ``microbatches`` batches under pipelining)."""
         if self.pipeline is None:
-            loss, tokens = self.loss_fn(self.model, next(batches))
+            result = self.loss_fn(self.model, next(batches))
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise TypeError(
+                    f"Trainer: loss_fn returned {type(result).__name__}; it must return "
+                    "(loss, tokens): the mean loss of the batch and how many tokens (or "
+                    "samples) it averaged over, which weigh the ranks' losses and count "
+                    "throughput")
+            loss, tokens = result
             (loss * scale).backward()
             return loss, tokens
         parts = [self.loss_fn.split(next(batches)) for _ in range(self.pipeline.microbatches)]
