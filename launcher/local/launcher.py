@@ -137,8 +137,10 @@ class LocalLauncher(Launcher):
                 network_interface_name="lo")
             staging.link_channels(paths, staged)
         grace = self.grace_period_s
-        if grace is None:
-            grace = int(os.environ.get(contract.GRACE_PERIOD_ENV, contract.DEFAULT_GRACE_PERIOD_S))
+        if grace is None:  # the job's environment, as a container's agent reads it, else ours
+            grace = int(request.payload["environment"].get(contract.GRACE_PERIOD_ENV)
+                        or os.environ.get(contract.GRACE_PERIOD_ENV,
+                                          contract.DEFAULT_GRACE_PERIOD_S))
         with open(os.path.join(job_dir, layout.REQUEST_FILE), "w") as f:
             json.dump({**request.to_dict(), "grace_period_s": grace}, f, indent=2, default=str)
 

@@ -125,7 +125,7 @@ def test_an_s3_input_in_a_bucket_that_does_not_exist_is_a_one_line_error(tmp_pat
     assert "NoSuchBucket" in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_local_input_paths_reach_the_script_as_channels(tmp_path):
+def test_local_inputs_reach_the_script_as_channels_and_its_environment_sets_the_grace(tmp_path):
     data = tmp_path / "data.txt"
     data.write_text("abc")
     spec_file = tmp_path / "job.yaml"
@@ -135,10 +135,13 @@ def test_local_input_paths_reach_the_script_as_channels(tmp_path):
         "import os\nassert open(os.environ['SM_CHANNEL_TRAIN'] + '/data.txt').read() == 'abc'\n")
     spec_file.write_text(yaml.safe_dump({
         "entry_point": "train.py", "source_dir": "code", "inputs": {"train": str(data)},
+        "environment": {"DTRAIN_STOP_GRACE_PERIOD": "7"},
         "compute": {"instance_type": "local", "max_run": 60}}))
     record = jobs.submit(JobSpec.from_file(spec_file), wait=True)
     assert record.status == "Completed", record.failure_reason
-    assert json.loads(Path(record.target_data["job_dir"], "request.json").read_text())["payload"]["inputs"]
+    request = json.loads(Path(record.target_data["job_dir"], "request.json").read_text())
+    assert request["payload"]["inputs"]
+    assert request["grace_period_s"] == 7  # the job's environment, as in a container
 
 
 def _wait_until(predicate, *, timeout: float, what: str) -> None:

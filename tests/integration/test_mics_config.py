@@ -38,6 +38,8 @@ def test_distribution_env_fills_missing_keys_with_defaults():
         ({"backend": "mpi"}, "backend"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
         ({"mixed_precision": "fp8"}, "mixed_precision"),
+        # a typo in a script's dict; before, a warning and the default
+        ({"shardin_degree": 2}, "'shardin_degree' \\(did you mean 'sharding_degree'\\?\\)"),
     ],
 )
 def test_bad_distribution_settings_name_the_field(bad, field):

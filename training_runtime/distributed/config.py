@@ -8,6 +8,7 @@ Plain data with validation; no torch import, so the node agent can parse it chea
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import warnings
@@ -82,10 +83,17 @@ class DistributionConfig:
                 "stages_per_rank": self.stages_per_rank, "partition": self.partition}
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> DistributionConfig:
-        """Build from a dict; unknown keys warn (newer clients may send more than we read)."""
+    def from_mapping(cls, data: Mapping[str, Any], *, strict: bool = True) -> DistributionConfig:
+        """Build from a dict. An unknown key is refused (a script's typo would otherwise fall
+        back to a default); with ``strict=False`` (the contract, which a newer client may have
+        written with more than this runtime reads) it warns."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
+        if unknown and strict:
+            close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            raise ValueError("unknown distribution settings: " + ", ".join(
+                f"{k!r}" + (f" (did you mean {close[k][0]!r}?)" if close[k] else "")
+                for k in unknown))
         if unknown:
             warnings.warn(f"ignoring unknown distribution keys {unknown}", stacklevel=2)
         return cls(**{k: v for k, v in data.items() if k in known})
@@ -103,7 +111,7 @@ class DistributionConfig:
             ) from None
         if not isinstance(data, dict):
             raise ValueError(f"{ENV_VAR} must be a JSON object, got {raw!r}")  # noqa: TRY004
-        return cls.from_mapping(data)
+        return cls.from_mapping(data, strict=False)
 
     @classmethod
     def resolve(
