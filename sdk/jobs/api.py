@@ -156,8 +156,12 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
         raise
     store.update(record.id, target_data={"submitter": None})  # the backend has the job
     # what the target recorded meanwhile (an EC2 launch's nodes, a SageMaker job's name) is in
-    # the backup `dtrain store repair` restores from, not only the job's first record
-    store.back_up()
+    # the backup `dtrain store repair` restores from, not only the job's first record; the job
+    # runs whatever becomes of that copy
+    try:
+        store.back_up()
+    except (DtrainError, OSError):
+        pass
     if follow:
         for line in logs(record.id, follow=True, store=store, clients=clients):
             if on_line:
