@@ -37,6 +37,7 @@ DEFAULT_MASTER_PORT = 29500
 RECIPE_PREFIX = "recipe:"
 # Seconds workers get between SIGTERM and SIGKILL when a job is stopped (local target, agent).
 GRACE_PERIOD_ENV = "DTRAIN_STOP_GRACE_PERIOD"
+STOPPED_EARLY_FILE = "stopped_early.json"  # in SM_OUTPUT_DIR (Paths.stopped_early_file)
 DEFAULT_GRACE_PERIOD_S = 30
 RECIPE_PACKAGE = "dtrain.runtime.recipes"
 # Exit code of a worker that stopped after a checkpoint because of SIGTERM (the Trainer's recipes),
@@ -154,6 +155,12 @@ class Paths:
     def failure_details_file(self) -> str:
         """dtrain's machine-readable twin of ``failure`` (rank, host, exit code, timestamp)."""
         return self._join("output", "failure.json")
+
+    @property
+    def stopped_early_file(self) -> str:
+        """Left by the Trainer when ``fit`` stopped on a signal (``preempted``): the node agent
+        then reports a stop even if the script went on to exit 0."""
+        return self._join("output", STOPPED_EARLY_FILE)
 
     @property
     def agent_exit_file(self) -> str:

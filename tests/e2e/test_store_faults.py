@@ -99,6 +99,11 @@ def test_repair_from_a_backup_taken_at_submit_finds_the_jobs_folder_and_its_end(
     store = JobStore()
     [job] = store.list()
     assert job.status == "Completed"
+    # taken again once the submit returned: it holds what the target recorded (the monitor)
+    backup = sqlite3.connect(store.backup_path)
+    [(kept,)] = backup.execute("SELECT target_data FROM jobs").fetchall()
+    backup.close()
+    assert json.loads(kept)["monitor"] and json.loads(kept)["job_dir"]
     with open(store.path, "wb") as fh:
         fh.write(b"this is not a database, it was overwritten\n" * 100)
     for suffix in ("-wal", "-shm"):

@@ -147,19 +147,16 @@ def test_sigterm_stops_workers_within_the_grace_period(tmp_path, live_processes)
     assert live_processes(str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("total_steps", [10, 4])
-def test_workers_that_checkpoint_on_sigterm_and_exit_0_are_a_stop_unless_training_was_done(
-        tmp_path, total_steps):
-    # a script that returns after Trainer.fit saw the stop, without exit 143 (total 10: the
-    # checkpoint at step 4 is not the end), against workers that finished as the signal came
+@pytest.mark.parametrize("noted", [True, False])
+def test_workers_that_exit_0_on_sigterm_are_a_stop_when_the_trainer_noted_one(tmp_path, noted):
+    # a script that returns after Trainer.fit stopped on the signal, without exit 143 (the
+    # Trainer notes the stop in SM_OUTPUT_DIR), against workers that finished as it came
     script = f"""
-    import json, os, pathlib, signal, time
+    import os, pathlib, signal, sys, time
     def leave(*_):
-        checkpoint = pathlib.Path(os.environ["DTRAIN_CHECKPOINT_DIR"]) / "step-000004"
-        checkpoint.mkdir(parents=True, exist_ok=True)
-        (checkpoint / "trainer.json").write_text(json.dumps({{"total_steps": {total_steps}}}))
-        (checkpoint / "COMPLETE").write_text("{{}}")
-        raise SystemExit(0)
+        if {noted}:
+            (pathlib.Path(os.environ["SM_OUTPUT_DIR"]) / "stopped_early.json").write_text("{{}}")
+        sys.exit(0)
     signal.signal(signal.SIGTERM, leave)
     print("started", flush=True)
     time.sleep(120)
@@ -171,10 +168,9 @@ def test_workers_that_checkpoint_on_sigterm_and_exit_0_are_a_stop_unless_trainin
     agent.send_signal(signal.SIGTERM)
     output = agent.communicate(timeout=60)[0]
     failure = Path(c.Paths(str(root)).failure_file)
-    if total_steps == 10:
+    if noted:
         assert agent.returncode == 128 + signal.SIGTERM, output
-        assert failure.read_text().startswith("interrupted: training stopped at step 4 after a "
-                                              "checkpoint because this host received SIGTERM")
+        assert failure.read_text().startswith("interrupted: the workers on algo-1 stopped early")
     else:
         assert agent.returncode == 0, output
         assert not failure.exists()

@@ -487,6 +487,7 @@ def test_a_stop_before_the_first_step_writes_no_checkpoint(job, monkeypatch):
         return resume(self, *args)
 
     monkeypatch.setattr(Trainer, "_resume", resume_then_stopped)
+    monkeypatch.setenv("SM_OUTPUT_DIR", str(job / "output"))
     try:
         _, result = _tiny_fit(3)
     finally:
@@ -494,6 +495,9 @@ def test_a_stop_before_the_first_step_writes_no_checkpoint(job, monkeypatch):
     assert (result.step, result.preempted) == (0, True)
     # an optimizer saved before its first step holds the state of a made-up one
     assert latest_checkpoint(job / "checkpoints") is None
+    # no checkpoint says so, but the node agent must still hear of the stop (a script that
+    # exits 0 after fit would otherwise read as completed)
+    assert json.loads((job / "output" / "stopped_early.json").read_text()) == {"step": 0}
 
 
 def test_the_final_model_save_can_be_skipped_and_an_impossible_format_is_refused_up_front(job):

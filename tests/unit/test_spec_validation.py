@@ -496,3 +496,11 @@ def test_sagemaker_settings_the_job_cannot_run_with_are_refused_before_it_is_pai
     ok["sagemaker"] = {**ok["sagemaker"], "py_version": "py313", "input_mode": "FastFile",
                        "enable_network_isolation": True}
     assert JobSpec.from_dict({**ok, "environment": {"HF_HOME": "/tmp/hf"}})
+
+
+def test_a_grace_period_in_the_environment_must_be_whole_seconds():
+    # the node agent reads it with int(): "30s" failed the job on its nodes (a local submit too)
+    assert "environment.DTRAIN_STOP_GRACE_PERIOD: '30s' is not a whole number of seconds" in \
+        problems({**RECIPE, "environment": {"DTRAIN_STOP_GRACE_PERIOD": "30s"}})
+    spec = JobSpec.from_dict({**RECIPE, "environment": {"DTRAIN_STOP_GRACE_PERIOD": "60"}})
+    assert spec.environment["DTRAIN_STOP_GRACE_PERIOD"] == "60"

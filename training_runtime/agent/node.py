@@ -104,10 +104,10 @@ def _run_host(paths: c.Paths, grace: int) -> int:
             contract, exc.failures, healthy_until=watch.healthy_until))
         return 1
     except SignalException as exc:
-        # a checkpoint this run wrote that is not the end: the workers saved on the signal and
-        # returned (a script that leaves after Trainer.fit's preemption without exit 143)
-        step, _, finished = reports.checkpoint_of_this_run(contract, started)
-        if workers_finished(watch.exit_codes) and (step is None or finished):
+        # the Trainer's note that fit stopped on the signal: a script that leaves after that
+        # without exit 143 stopped all the same
+        stopped_early = os.path.exists(contract.paths.stopped_early_file)
+        if workers_finished(watch.exit_codes) and not stopped_early:
             logger.info("%s arrived as the workers finished; they completed the job",
                         signal.Signals(exc.sigval).name)
             return 0

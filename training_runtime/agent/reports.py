@@ -81,7 +81,7 @@ def describe_interruption(contract: c.Contract, *, since: float, here: bool = Fa
     """The failure report of a host whose workers stopped because some host received SIGTERM
     (``here``: this one). Never raises: what cannot be read is left out of the description.
     """
-    step, folder, finished = checkpoint_of_this_run(contract, since)
+    step, folder, finished = _checkpoint_of_this_run(contract, since)
     location = _checkpoint_location(contract)
     which = "this host" if here else "a host"
     details = {"reason": "interrupted", "step": step, "rank": None,
@@ -110,7 +110,7 @@ def model_note(step: int, checkpoint: str) -> str:
             "resume from it, which only writes the model")
 
 
-def checkpoint_of_this_run(contract: c.Contract, since: float
+def _checkpoint_of_this_run(contract: c.Contract, since: float
                             ) -> tuple[int | None, str | None, bool]:
     """(step, folder name, whether training had finished) of the newest checkpoint written
     since ``since``; (None, None, False) when there is none or it cannot be read."""
@@ -173,7 +173,8 @@ def write_failure(paths: c.Paths, details: dict) -> None:
 
 def remove_records(paths: c.Paths) -> None:
     """Delete the failure report and exit record an earlier run left in this host's folder."""
-    for stale in (paths.failure_file, paths.failure_details_file, paths.agent_exit_file):
+    for stale in (paths.failure_file, paths.failure_details_file, paths.agent_exit_file,
+                  paths.stopped_early_file):
         try:
             os.remove(stale)
         except FileNotFoundError:

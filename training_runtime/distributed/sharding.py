@@ -78,9 +78,9 @@ def shard(
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError(f"shard: {type(model).__name__} is sharded already (its parameters are "
                          "DTensors); call shard() once per model")
-    _refuse_meta_without_init(model)
     ctx.build_mesh(_resolve_plan(model, ctx, sharding_degree))
-    _check_same_model_everywhere(model, ctx)
+    _check_same_model_everywhere(model, ctx)  # the collective first: every rank takes it
+    _refuse_meta_without_init(model)
     _one_init_seed(model)
     precision = mixed_precision or ctx.config.mixed_precision
     options = {

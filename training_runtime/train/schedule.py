@@ -44,7 +44,11 @@ class WarmupCosine:
         """Set every group's learning rate for update ``step``; returns the first group's.
         ``peaks``: each group's own peak (an optimizer the user built), which the schedule
         shapes alike, instead of ``lr`` for all."""
-        scale = self.lr_at(step) / self.lr
+        lr = self.lr_at(step)
         for index, group in enumerate(optimizer.param_groups):
-            group["lr"] = (self.lr if peaks is None else peaks[index]) * scale
-        return optimizer.param_groups[0]["lr"]
+            value = lr if peaks is None else peaks[index] * lr / self.lr
+            if isinstance(group["lr"], torch.Tensor):  # a capturable optimizer's: in place
+                group["lr"].fill_(value)
+            else:
+                group["lr"] = value
+        return float(optimizer.param_groups[0]["lr"])

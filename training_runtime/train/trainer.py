@@ -30,7 +30,9 @@ finish within the agent's grace period, and ``fit`` returns normally: the job is
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -40,7 +42,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dtrain.core.contract import PREEMPTED_EXIT_CODE  # noqa: F401 - recipes' exit code, shared
+from dtrain.core.contract import (
+    PREEMPTED_EXIT_CODE,  # noqa: F401 - recipes' exit code, shared
+    STOPPED_EARLY_FILE,
+)
 from dtrain.runtime.distributed import gradient_sync
 from dtrain.runtime.distributed.pipeline import PipelineModel
 from dtrain.runtime.train import metrics as m
@@ -80,7 +85,7 @@ class SplitLoss:
 @dataclass(frozen=True)
 class TrainerConfig:
     steps: int
-    lr: float = 3e-4
+    lr: float = 3e-4  # the peak of the Trainer's own AdamW (an optimizer passed in keeps its own)
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
@@ -144,7 +149,12 @@ class Trainer:
         self.optimizer = optimizer or build_optimizer(
             model, lr=config.lr, weight_decay=config.weight_decay)
         # an optimizer of the user's keeps its groups' learning rates, as the schedule's peaks
-        self._peaks = None if optimizer is None else [g["lr"] for g in optimizer.param_groups]
+        self._peaks = None if optimizer is None else \
+            [float(g["lr"]) for g in optimizer.param_groups]
+        if self._peaks and any(peak != config.lr for peak in self._peaks):
+            logger.warning("Trainer: the optimizer passed in keeps its learning rates %s as the "
+                           "schedule's peaks; TrainerConfig.lr=%g applies to the Trainer's own "
+                           "optimizer only", self._peaks, config.lr)
         self.schedule = WarmupCosine(config.lr, config.steps, warmup_steps=config.warmup_steps,
                                      min_lr_ratio=config.min_lr_ratio)
         if loss_scaling is None:
@@ -211,7 +221,20 @@ class Trainer:
             logger.close()
             self.stop.uninstall()
         result.step = self.step
+        if result.preempted:
+            self._note_stopped_early()
         return result
+
+    def _note_stopped_early(self) -> None:
+        """Tell this host's node agent that training stopped on a signal (one file per host,
+        in ``SM_OUTPUT_DIR``): it reports a stop even if the script then exits 0."""
+        output = os.environ.get("SM_OUTPUT_DIR")
+        if not output or self.ctx.local_rank != 0:
+            return  # not under a node agent, or another rank of this host writes it
+        try:
+            (Path(output) / STOPPED_EARLY_FILE).write_text(json.dumps({"step": self.step}))
+        except OSError as exc:  # the script's exit code can still tell
+            logger.warning("could not note the stop in %s: %s", output, exc)
 
     def train_step(self, batches: Iterator[Any]) -> tuple[torch.Tensor, int, float, float]:
         """One optimizer step; returns (local mean loss, local tokens, grad norm, lr)."""
@@ -258,7 +281,7 @@ class Trainer:
         """One micro-step (a pipeline step of ``microbatches`` batches under pipelining)."""
         if self.pipeline is None:
             result = self.loss_fn(self.model, next(batches))
-            if not (isinstance(result, tuple) and len(result) == 2):
+            if not (isinstance(result, (tuple, list)) and len(result) == 2):
                 raise TypeError(
                     f"Trainer: loss_fn returned {type(result).__name__}; it must return "
                     "(loss, tokens): the mean loss of the batch and how many tokens (or "

@@ -200,6 +200,14 @@ def environment_secrets(spec, ctx: Findings) -> None:
                 "resolved on the node")
 
 
+def environment_settings(spec, ctx: Findings) -> None:
+    """Variables the node agent reads itself: a bad value would fail the job on its nodes."""
+    grace = spec.environment.get(contract.GRACE_PERIOD_ENV)
+    if grace is not None and not grace.strip().isdigit():
+        ctx.problems.append(f"environment.{contract.GRACE_PERIOD_ENV}: {grace!r} is not a whole "
+                            "number of seconds; give one, e.g. 60")
+
+
 COMMON_RULES = (instance_fits_target, backend_fits_hardware, a_gpu_per_process,
                 degrees_make_a_plan, spot_settings, entry_point, channel_names,
-                recipe_hyperparameters, environment_secrets)
+                recipe_hyperparameters, environment_secrets, environment_settings)
