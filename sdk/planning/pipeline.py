@@ -137,13 +137,14 @@ def estimate(plan: ParallelismPlan, model: Any, work: costmodel.Workload,
     tokens = accumulation * plan.microbatches * work.seq_len * work.micro_batch_size \
         * plan.dp_degree
     inter = accumulation * fsdp.inter_bytes + (sent if across else 0.0)
+    tp_bytes = accumulation * plan.microbatches * share * tp_traffic.intra_bytes
     step = costmodel.StepEstimate(
         strategy=f"PP {plan.pp} × {plan.strategy}", sharding_degree=plan.dp_shard,
         hierarchical=False, compute_s=accumulation * pipeline_s, micro_comm=fsdp,
         boundary_comm=costmodel.Traffic(), step_s=step_s, tokens_per_s=tokens / step_s,
-        intra_bytes=accumulation * fsdp.intra_bytes + (0.0 if across else sent),
+        intra_bytes=accumulation * fsdp.intra_bytes + (0.0 if across else sent) + tp_bytes,
         inter_bytes=inter, tensor_parallel=plan.tp, pipeline=plan.pp, exposed=edges,
-        tp_bytes=accumulation * plan.microbatches * share * tp_traffic.intra_bytes)
+        tp_bytes=tp_bytes)  # tensor parallelism's share of intra_bytes, as without a pipeline
     memory = _memory(plan, work, model, rank_params=rank_params,
                      holds_head=any(plan.num_stages - 1 in s for s in ranks),
                      layers=max(sum(_blocks(part, s) for s in stages) for stages in ranks),

@@ -147,7 +147,7 @@ def plan(spec: JobSpec) -> Plan:
     precision = resolve_mixed_precision(dist.mixed_precision, inst)
     backend = "gloo" if dist.backend == "gloo" or not inst.has_gpu else "nccl"
     cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn,
-                          backend=backend)
+                          backend=backend, precision=precision)
     work = workload(model, precision, dist.activation_checkpointing) if model else None
     notes: list[str] = []
     if model is None:
@@ -189,7 +189,8 @@ def plan(spec: JobSpec) -> Plan:
     price = compute.price_per_hour or inst.price_per_hour(compute.target)
     return Plan(spec, inst, compute.instance_count, ppn, world, parallelism, backend, precision,
                 model, memory, strategies, price, notes,
-                tensor_parallel_reason="auto: weighed with the pipeline (see layout)" if choice
+                tensor_parallel_reason="auto: weighed with the pipeline (see layout)"
+                if choice and spec.distribution.tensor_parallel_degree == "auto"
                 else _tensor_parallel_reason(spec, parallelism, model, work),
                 pipeline=piped, layout_choice=choice)
 
@@ -229,8 +230,10 @@ def resolve_mixed_precision(requested: str, inst: instances.InstanceType) -> str
 
 
 def cluster_for(inst: instances.InstanceType, *, nodes: int, processes_per_node: int,
-                backend: str | None = None) -> costmodel.Cluster:
-    tflops = inst.peak_tflops if inst.has_gpu and inst.peak_tflops else instances.LOCAL_CPU_TFLOPS
+                backend: str | None = None, precision: str = "bf16") -> costmodel.Cluster:
+    """The cost model's cluster; its GPUs compute at their peak in ``precision``."""
+    peak = inst.peak_tflops_in(precision) if inst.has_gpu else 0.0
+    tflops = peak or instances.LOCAL_CPU_TFLOPS
     return costmodel.Cluster(
         num_nodes=nodes, gpus_per_node=processes_per_node, tflops_per_gpu=tflops,
         intra_gbytes_per_s=inst.intra_node_gbytes_per_s or 5.0,

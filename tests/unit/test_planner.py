@@ -200,3 +200,14 @@ def test_a_recipe_is_planned_with_the_model_batch_and_length_the_recipe_uses():
     script = JobSpec.from_dict({**spec.to_dict(), "entry_point": "train.py",
                                 "source_dir": str(ROOT / "examples" / "sagemaker_src")})
     assert plan(script).model is None  # a script's model is its own: nothing to size
+
+
+def test_fp32_computes_at_the_gpus_fp32_peak_not_its_half_precision_one():
+    # PyTorch runs fp32 matrix products without TF32 by default: an A100's 19.5, not 312
+    half = plan(p4d_job(2, 8, model="pythia-1b"))
+    spec = p4d_job(2, 8, model="pythia-1b").to_dict()
+    spec["distribution"]["mixed_precision"] = "fp32"
+    full = plan(JobSpec.from_dict(spec))
+    assert (half.mixed_precision, full.mixed_precision) == ("bf16", "fp32")
+    ratio = by_name(full, "MiCS").compute_s / by_name(half, "MiCS").compute_s
+    assert ratio == pytest.approx(312 / 19.5)

@@ -117,3 +117,12 @@ def test_more_stages_than_the_model_s_blocks_are_refused_by_the_plan():
     with pytest.raises(SpecError, match=r"= 4 stages, but the model has 2 blocks"):
         planned({"pipeline_parallel_degree": 2, "pipeline_schedule": "interleaved-1f1b",
                  "sharding_degree": 1}, hyperparameters={"model": "gpt-neox-tiny"})
+
+
+def test_a_pipeline_rows_intra_node_bytes_include_tensor_parallel_traffic():
+    # as without a pipeline: tp_bytes is the tensor-parallel share of intra_bytes (the column
+    # showed 0.00 GB beside a plan line of GBs of tensor-parallel traffic)
+    result = planned({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                      "sharding_degree": 1, "pipeline_schedule": "1f1b"})
+    [row] = [s for s in result.strategies if s.pipeline == 2]
+    assert row.tp_bytes > 0 and row.intra_bytes >= row.tp_bytes
