@@ -278,9 +278,10 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         The record says Stopping before anything is terminated: a launch still under way sees
         it before or right after its RunInstances and rolls back, and if this call is cut short
         (Ctrl-C during the wait) ``status`` terminates what still runs. Nodes whose RunInstances
-        landed after this call listed the launch are terminated too. Also for a job that has already ended
-        (one failed node ends a job while its peers may still run): whatever of it still runs
-        is terminated, and the job keeps its status.
+        landed after this call listed the launch are terminated too. A launched job ends
+        Stopped here once its nodes are gone. Also for a job that has already ended (one failed
+        node ends a job while its peers may still run): whatever of it still runs is
+        terminated, and the job keeps its status.
         """
         state = state_of(handle)
         if handle.is_final and state.launch_token is None:
