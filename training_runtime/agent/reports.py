@@ -172,7 +172,8 @@ def write_failure(paths: c.Paths, details: dict) -> None:
 
 
 def remove_records(paths: c.Paths) -> None:
-    """Delete the failure report and exit record an earlier run left in this host's folder."""
+    """Delete the failure report, exit record and stop note (``stopped_early.json``) an earlier
+    run left in this host's folder."""
     for stale in (paths.failure_file, paths.failure_details_file, paths.agent_exit_file,
                   paths.stopped_early_file):
         try:
