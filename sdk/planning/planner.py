@@ -143,7 +143,9 @@ def plan(spec: JobSpec) -> Plan:
     inst = compute.instance
     ppn = compute.resolved_processes_per_instance
     world = compute.world_size
-    model = model_shape(recipe_inputs.as_the_recipe_reads(spec.entry_point, spec.hyperparameters))
+    # a recipe's hyperparameters with the defaults it fills in: what it will train
+    hps = recipe_inputs.as_the_recipe_reads(spec.entry_point, spec.hyperparameters)
+    model = model_shape(hps)
     precision = resolve_mixed_precision(dist.mixed_precision, inst)
     backend = "gloo" if dist.backend == "gloo" or not inst.has_gpu else "nccl"
     cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn,
@@ -159,8 +161,7 @@ def plan(spec: JobSpec) -> Plan:
         if dist.pipeline_parallel_degree == "auto" else None
     parallelism = choice.plan if choice else _parallelism(spec, model, work, notes)
     if parallelism and model:
-        _refuse_what_the_runtime_would(parallelism, model,
-                                       spec.hyperparameters if spec.is_recipe else {})
+        _refuse_what_the_runtime_would(parallelism, model, hps if spec.is_recipe else {})
     degree = parallelism.dp_shard if parallelism else None
     layout = _layout(parallelism)
     piped = pipelining.estimate(
@@ -200,8 +201,8 @@ def _refuse_what_the_runtime_would(plan: ParallelismPlan, model: ModelShape,
     """The model and batch checks the runtime makes at its first step, made here instead, so
     `dtrain plan` and submit refuse the job before any instance is paid for (one message,
     the runtime's, from ``dtrain.core``). The batch shape is checked where a recipe's
-    hyperparameters give it (``seq_len``, ``micro_batch_size``; a script's ``hps`` are not
-    passed: its names may mean something else)."""
+    hyperparameters give it (``seq_len``, ``micro_batch_size``, given or the recipe's defaults;
+    a script's ``hps`` are not passed: its names may mean something else)."""
     if plan.pp > 1 and model.tied_embeddings:
         raise SpecError("distribution.pipeline_parallel_degree: "
                         + ppl.tied_head_problem(model.model_type or model.source))
