@@ -140,7 +140,7 @@ def estimate(plan: ParallelismPlan, model: Any, work: costmodel.Workload,
     tp_bytes = accumulation * plan.microbatches * share * tp_traffic.intra_bytes
     step = costmodel.StepEstimate(
         strategy=f"PP {plan.pp} × {plan.strategy}", sharding_degree=plan.dp_shard,
-        hierarchical=False, compute_s=accumulation * pipeline_s, micro_comm=fsdp,
+        hierarchical=plan.hierarchical_allgather, compute_s=accumulation * pipeline_s, micro_comm=fsdp,
         boundary_comm=costmodel.Traffic(), step_s=step_s, tokens_per_s=tokens / step_s,
         intra_bytes=accumulation * fsdp.intra_bytes + (0.0 if across else sent) + tp_bytes,
         inter_bytes=inter, tensor_parallel=plan.tp, pipeline=plan.pp, exposed=edges,
@@ -162,11 +162,13 @@ def _blocks(part: ppl.Partition, stage: int) -> int:
 def _stage_collectives(plan: ParallelismPlan, params: float, work: costmodel.Workload,
                        cluster: costmodel.Cluster) -> tuple[costmodel.Traffic, ...]:
     """One pipeline step's FSDP collectives of a rank holding ``params`` (its tensor-parallel
-    share): an all-gather and a reduce-scatter in the partition group, a replica all-reduce."""
+    share): an all-gather (the hierarchical one where the plan has it, as the stages' FSDP2
+    units do) and a reduce-scatter in the partition group, a replica all-reduce."""
     gpn = cluster.gpus_per_node
     nodes, per_node = costmodel.group_layout(plan.dp_shard, stride=plan.tp, gpus_per_node=gpn)
     shape = {"ranks": plan.dp_shard, "nodes": nodes, "per_node": per_node, "cluster": cluster}
-    gather = costmodel.ring(params * work.compute_bytes, **shape)
+    gather = (costmodel.hierarchical_allgather if plan.hierarchical_allgather
+              else costmodel.ring)(params * work.compute_bytes, **shape)
     reduce = costmodel.ring(params * costmodel.GRAD_REDUCE_BYTES, **shape,
                             factor=costmodel.reduce_scatter_factor_of(
                                 cluster, ranks=plan.dp_shard, nodes=nodes))
@@ -296,8 +298,11 @@ def _candidate(distribution: dict, *, pp: int, tp: int, shard: int, world_size: 
         layout = Layout(plan.tp, plan.tp_mode, plan.sequence_parallel)
         memory = memory_estimate(work, layout, sharding_degree=plan.dp_shard,
                                  vocab_size=model.vocab_size, device_gib=device_gib)
+        # the collectives the plan runs, as the planner's row for it (Plan.chosen) counts them
         step = costmodel.estimate_step(work, cluster, sharding_degree=plan.dp_shard,
-                                       accumulation=accumulation, tp=plan.tp, tp_mode=plan.tp_mode)
+                                       accumulation=accumulation, tp=plan.tp, tp_mode=plan.tp_mode,
+                                       hierarchical=plan.hierarchical_allgather,
+                                       gradient_sync=plan.gradient_sync)
     usable = device_gib * (1 - DEFAULT_HEADROOM)
     return Candidate(plan, memory.total_gib, memory.total_gib <= usable, step)
 

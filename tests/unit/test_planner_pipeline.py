@@ -126,3 +126,42 @@ def test_a_pipeline_rows_intra_node_bytes_include_tensor_parallel_traffic():
                       "sharding_degree": 1, "pipeline_schedule": "1f1b"})
     [row] = [s for s in result.strategies if s.pipeline == 2]
     assert row.tp_bytes > 0 and row.intra_bytes >= row.tp_bytes
+
+
+def test_auto_weighs_each_layout_with_the_collectives_its_plan_runs():
+    # 13B on 2 × p4d: the chosen pp 1 plan shards over both nodes with the hierarchical
+    # all-gather; its candidate was weighed with the flat one (2.03 s against the 1.73 s of the
+    # row marked chosen), so a pipeline could win on a misprediction
+    result = planned({"pipeline_parallel_degree": "auto"},
+                     hyperparameters={"model": "gpt-neox-13b", "seq_len": 2048,
+                                      "micro_batch_size": 1},
+                     target="sagemaker", instance_type="ml.p4d.24xlarge", instance_count=2,
+                     processes_per_instance=None)
+    chosen = result.parallelism
+    assert (chosen.pp, chosen.hierarchical_allgather) == (1, True)
+    best = result.layout_choice.candidates[0]
+    assert best.plan == chosen
+    assert best.step.step_s == pytest.approx(result.chosen.step_s)
+    assert (best.step.hierarchical, best.step.gradient_sync) == (True, chosen.gradient_sync)
+
+
+def test_a_pipeline_with_the_hierarchical_all_gather_has_its_row():
+    # partition groups of two whole nodes: each stage's FSDP2 units gather hierarchically
+    result = planned({"pipeline_parallel_degree": 2, "sharding_degree": 16,
+                      "pipeline_schedule": "1f1b"},
+                     hyperparameters={"model": "gpt-neox-1.3b", "seq_len": 2048,
+                                      "micro_batch_size": 1},
+                     target="sagemaker", instance_type="ml.p4d.24xlarge", instance_count=4,
+                     processes_per_instance=None)
+    assert result.parallelism.hierarchical_allgather
+    row = result.chosen
+    assert row is not None and row.pipeline == 2 and row.hierarchical
+    flat = planned({"pipeline_parallel_degree": 2, "sharding_degree": 16,
+                    "pipeline_schedule": "1f1b", "hierarchical_allgather": False},
+                   hyperparameters={"model": "gpt-neox-1.3b", "seq_len": 2048,
+                                    "micro_batch_size": 1},
+                   target="sagemaker", instance_type="ml.p4d.24xlarge", instance_count=4,
+                   processes_per_instance=None).chosen
+    # the hierarchical gather sends each parameter across the nodes once, not per rank
+    assert row.inter_bytes < flat.inter_bytes
+    assert "PP 2 × ZeRO-3 hier. *" in render_plan(result)  # the row marked as this job
