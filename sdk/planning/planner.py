@@ -172,11 +172,8 @@ def plan(spec: JobSpec) -> Plan:
         work, layout, sharding_degree=degree, vocab_size=model.vocab_size,
         device_gib=float(inst.gpu_memory_gib)) if model and degree else None
     if memory and memory.device_gib and memory.total_gib > memory.device_gib:
-        notes.append(
-            f"estimated {memory.total_gib:.1f} GiB per device exceeds its {memory.device_gib:.0f}"
-            " GiB; raise sharding_degree, set tensor_parallel_degree (or auto), or enable "
-            "activation_checkpointing"
-        )
+        notes.append(f"estimated {memory.total_gib:.1f} GiB per device exceeds its "
+                     f"{memory.device_gib:.0f} GiB; {_memory_fixes(parallelism, dist)}")
     strategies = _strategies(model, work, cluster, degree, dist.gradient_accumulation_steps,
                              layout, device_gib=float(inst.gpu_memory_gib)) if work else []
     if piped:  # the pipeline beside what the same ranks would do without one
@@ -194,6 +191,23 @@ def plan(spec: JobSpec) -> Plan:
                 if choice and spec.distribution.tensor_parallel_degree == "auto"
                 else _tensor_parallel_reason(spec, parallelism, model, work),
                 pipeline=piped, layout_choice=choice)
+
+
+def _memory_fixes(parallelism: ParallelismPlan, dist: Any) -> str:
+    """What would make a plan that overflows the device fit: only the changes it allows."""
+    fixes = []
+    if parallelism.dp_shard < parallelism.dp_degree:  # replicas left to shard over
+        fixes.append("raise sharding_degree")
+    if dist.tensor_parallel_degree != "auto" and parallelism.tp < parallelism.devices_per_node:
+        fixes.append("raise tensor_parallel_degree" if parallelism.tp > 1
+                     else "set tensor_parallel_degree (or auto)")
+    if parallelism.pp > 1 or dist.pipeline_parallel_degree != "auto":
+        fixes.append("raise pipeline_parallel_degree" if parallelism.pp > 1
+                     else "set pipeline_parallel_degree (or auto)")
+    if not dist.activation_checkpointing:
+        fixes.append("enable activation_checkpointing")
+    fixes = fixes or ["use a larger instance type or more instances"]
+    return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
 
 
 def _refuse_what_the_runtime_would(plan: ParallelismPlan, model: ModelShape,

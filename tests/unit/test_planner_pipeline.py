@@ -165,3 +165,21 @@ def test_a_pipeline_with_the_hierarchical_all_gather_has_its_row():
     # the hierarchical gather sends each parameter across the nodes once, not per rank
     assert row.inter_bytes < flat.inter_bytes
     assert "PP 2 × ZeRO-3 hier. *" in render_plan(result)  # the row marked as this job
+
+
+def test_a_plan_that_overflows_the_device_names_only_the_fixes_it_allows():
+    # pipeline stages of 20B sharded over every rank of their stage: "raise sharding_degree"
+    # cannot help (it was the advice), more stages, tensor parallelism or checkpointing can
+    result = planned({"pipeline_parallel_degree": 2}, hyperparameters=BIG, target="sagemaker",
+                     instance_type="ml.p4d.24xlarge", instance_count=4,
+                     processes_per_instance=None)
+    assert result.parallelism.dp_shard == result.parallelism.dp_degree
+    [note] = [n for n in result.notes if "exceeds its 40 GiB" in n]
+    assert note.endswith("; set tensor_parallel_degree (or auto), raise pipeline_parallel_degree "
+                         "or enable activation_checkpointing")
+    result = planned({"sharding_degree": 2, "tensor_parallel_degree": 2}, hyperparameters=BIG,
+                     target="sagemaker", instance_type="ml.p4d.24xlarge", instance_count=4,
+                     processes_per_instance=None)
+    [note] = [n for n in result.notes if "exceeds its 40 GiB" in n]
+    assert note.endswith("; raise sharding_degree, raise tensor_parallel_degree, set "
+                         "pipeline_parallel_degree (or auto) or enable activation_checkpointing")
