@@ -20,7 +20,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from dtrain.core import contract, logformat, states
@@ -178,13 +178,16 @@ def new_lines(path: str, offsets: dict[str, int]) -> list[str]:
 
 
 def agent_lines(job_dir: str, hosts: Iterable[str], offsets: dict[str, int],
-                rank: int | None) -> Iterator[str]:
+                rank: int | None, *, also: Mapping[str, str] | None = None) -> Iterator[str]:
     """The lines the hosts' agent logs gained since the last call, in the order they were
     written (worker lines included: the agent echoes them), as ``logformat`` lines; only
-    ``rank``'s if given."""
-    new = {host: new_lines(agent_log(job_dir, host), offsets) for host in hosts}
-    for host, raw in logformat.merge_by_time(new):
-        line = logformat.as_line(host, raw)
+    ``rank``'s if given. ``also`` maps more files of stamped lines to the host they are of
+    (a target's own output), merged in with the agents'."""
+    sources = {agent_log(job_dir, host): host for host in hosts}
+    sources.update(also or {})
+    new = {path: new_lines(path, offsets) for path in sources}
+    for path, raw in logformat.merge_by_time(new):
+        line = logformat.as_line(sources[path], raw)
         if rank is None or logformat.rank_of(line) == rank:
             yield line
 

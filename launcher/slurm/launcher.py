@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, TYPE_CHECKING, Any
 
-from dtrain.core import contract, logformat
+from dtrain.core import contract
 from dtrain.core.errors import DtrainError
 from dtrain.core.states import STOPPED, STOPPING
 from dtrain.launcher import agents, packaging, process, staging
-from dtrain.launcher.agents import STOP_REASON, new_lines
+from dtrain.launcher.agents import STOP_REASON
 from dtrain.launcher.base import (
     Launcher,
     Request,
@@ -217,13 +217,13 @@ class SlurmLauncher(Launcher):
 
         def read(_final: bool) -> Iterator[str]:
             hosts = layout.read_hosts(state.job_dir) if state.job_dir else []
-            yield from agents.agent_lines(state.job_dir, [h for h in hosts if host in (None, h)],
-                                          offsets, rank)
+            also = {}
             if hosts and host in (None, hosts[0]) and rank is None and state.slurm_job_id:
-                # the batch script runs on the job's first node: its output is that node's
-                path = layout.batch_output(state.job_dir, state.slurm_job_id)
-                yield from (logformat.host_line(hosts[0], text)
-                            for text in new_lines(path, offsets))
+                # the batch script runs on the job's first node: its output is that node's,
+                # its lines stamped as the agents' are (script.py), so they merge in order
+                also[layout.batch_output(state.job_dir, state.slurm_job_id)] = hosts[0]
+            yield from agents.agent_lines(state.job_dir, [h for h in hosts if host in (None, h)],
+                                          offsets, rank, also=also)
 
         return agents.follow(read, follow=follow, ended=ended, poll_s=0.5)
 

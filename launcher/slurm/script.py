@@ -36,6 +36,13 @@ _GRACE_PERIOD = (
     (f"export {contract.GRACE_PERIOD_ENV}="
      "$(( ${kill_wait:-30} > 10 ? ${kill_wait:-30} - 5 : 5 ))"),
 )
+# Each line of the script's own output (its first line, srun's errors) stamped as the node agents
+# stamp theirs (dtrain.core.logformat), so `dtrain logs` merges it with them in time order.
+_STAMP_OUTPUT = (
+    "# Its own output's lines are time-stamped, as the agents' are, for `dtrain logs`; the",
+    "# stamping outlives scancel's SIGTERM (srun must not lose its output while it stops).",
+    "stamp() { trap '' TERM; while IFS= read -r line; do echo \"@$(date +%s.%N) $line\"; done; }",
+)
 
 
 def time_limit_minutes(max_run: int) -> int:
@@ -125,8 +132,9 @@ def build_script(spec: JobSpec, plan: Plan, *, job_id: str, job_name: str, job_d
         'while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$((port + 1)); done',
         f"export {contract.MASTER_PORT_ENV}=$port",
         *_GRACE_PERIOD,
-        f'echo "dtrain: job {job_id} on ${layout.HOSTS_ENV}"',
-        " \\\n  ".join(srun_command(spec, job_dir)),
+        *_STAMP_OUTPUT,
+        f'echo "dtrain: job {job_id} on ${layout.HOSTS_ENV}" | stamp',
+        " \\\n  ".join([*srun_command(spec, job_dir), "2>&1 | stamp"]),
     ]
     return "\n".join(lines) + "\n"
 

@@ -86,6 +86,8 @@ def test_main_example_runs_on_two_nodes_with_falling_loss(shared, cluster):
                if "dtrain-metrics " in line}
     assert metrics == {("n1", 0)}, "rank 0 logs the metrics"
     assert {logformat.rank_of(line) for line in on["n2"]} - {None} == {2, 3}
+    # the batch script's first line first: its output merges with the agents' in time order
+    assert on["n1"][0] == f"[n1] dtrain: job {record.id} on n1 n2 ", on["n1"][:3]
     # n2's agent shut the rendezvous down while n1's agent still held its store
     assert not [line for lines in on.values() for line in lines if "TCPStore" in line]
     assert cluster.node_processes() == []

@@ -61,9 +61,10 @@ def test_p4d_script_asks_for_gpus_efa_time_and_the_container():
                  "/fsx/checkpoints/pythia-1b-slurm:/fsx/checkpoints/pythia-1b-slurm,"
                  "/fsx/datasets/pile/train:/fsx/datasets/pile/train \\")):
         assert line in script.splitlines(), line
-    assert script.splitlines()[-1] == (
-        f"  bash -c 'python -m pip install --quiet --no-deps {JOB_DIR}/wheel/*.whl && "
-        f"exec python -m dtrain.launcher.slurm.node {JOB_DIR}'")
+    assert script.splitlines()[-2:] == [
+        (f"  bash -c 'python -m pip install --quiet --no-deps {JOB_DIR}/wheel/*.whl && "
+         f"exec python -m dtrain.launcher.slurm.node {JOB_DIR}' \\"),
+        "  2>&1 | stamp"]  # its output's lines time-stamped for dtrain logs
     # the user's extras come after dtrain's options, and before the first command
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     assert directives[-1] == "#SBATCH --constraint=p4d.24xlarge"
@@ -95,8 +96,8 @@ def test_cpu_nodes_get_no_gpus_no_efa_and_run_the_submitting_python(tmp_path):
     script = built.payload["script"]
     assert "gpus-per-node" not in script and "FI_PROVIDER" not in script
     assert "--container" not in script and not built.uploads  # a recipe: no code to copy
-    assert script.splitlines()[-1] == (
-        f"  {sys.executable} -m dtrain.launcher.slurm.node {tmp_path}/0123456789ab")
+    assert script.splitlines()[-2] == (
+        f"  {sys.executable} -m dtrain.launcher.slurm.node {tmp_path}/0123456789ab \\")
     assert "#SBATCH --time=20" in script  # 10 min of max_run + 10 min
 
 
