@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import types
 import typing
 from typing import Any
 
@@ -23,9 +24,15 @@ _FIX = {
 
 
 def explain(exc: ValidationError, root: type[BaseModel]) -> list[str]:
-    problems: list[str] = []
+    problems: list[str | tuple] = []  # a tuple: a field of several types, its errors in unions
+    unions: dict[tuple, list[dict[str, Any]]] = {}
     for error in exc.errors(include_url=False):
         loc = tuple(error["loc"])
+        if _union_member(root, loc):  # pydantic tags each type's error (…sharding_degree.int)
+            if loc[:-1] not in unions:
+                problems.append(loc[:-1])  # its place, filled in below
+            unions.setdefault(loc[:-1], []).append(error)
+            continue
         path = ".".join(str(p) for p in loc)
         kind = error["type"]
         if kind == "value_error":
@@ -39,7 +46,45 @@ def explain(exc: ValidationError, root: type[BaseModel]) -> list[str]:
             problems.append(_unknown_field(root, loc))
         else:
             problems.append(_generic(path, error))
-    return problems or [str(exc)]
+    lines = [_one_of(p, unions[p]) if isinstance(p, tuple) else p for p in problems]
+    return lines or [str(exc)]
+
+
+def _union_member(root: type[BaseModel], loc: tuple) -> bool:
+    """Whether ``loc`` ends in the tag pydantic gives one type of a field that takes several
+    (``int | Literal["auto"]``): its other parts walk model fields to such a field."""
+    model: Any = root
+    annotation = None
+    for part in loc[:-1]:
+        if model is None or str(part) not in model.model_fields:
+            return False
+        annotation = model.model_fields[str(part)].annotation
+        model = _model_in(annotation)
+    options = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    return (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+            and len(options) > 1 and model is None)
+
+
+def _one_of(loc: tuple, errors: list[dict[str, Any]]) -> str:
+    """One line for a field of several types that matched none: what each would take."""
+    wanted: list[str] = []
+    for error in errors:
+        kind, ctx, tag = error["type"], error.get("ctx") or {}, str(error["loc"][-1])
+        number = "a whole number" if "int" in tag else "a number"
+        if kind == "literal_error":
+            wanted += str(ctx.get("expected", "")).split(" or ")
+        elif kind in ("greater_than_equal", "less_than_equal"):
+            wanted.append(f"{number} {'≥' if kind == 'greater_than_equal' else '≤'} "
+                          f"{ctx.get('ge', ctx.get('le'))}")
+        elif kind in ("int_parsing", "int_type", "int_from_float", "float_parsing"):
+            wanted.append(number)
+        elif kind == "value_error":
+            wanted.append(str(ctx.get("error") or error["msg"]))
+        else:
+            wanted.append(_FIX.get(kind, error["msg"].lower()).removeprefix("give "))
+    wanted = list(dict.fromkeys(w for w in wanted if w))
+    choices = ", ".join(wanted[:-1]) + (" or " if len(wanted) > 1 else "") + wanted[-1]
+    return f"{'.'.join(map(str, loc))}: got {_short(errors[0].get('input'))}; give {choices}"
 
 
 def _generic(path: str, error: dict[str, Any]) -> str:

@@ -38,6 +38,19 @@ def test_unknown_field_suggests_the_closest_valid_name():
     assert "did you mean 'distribution'" in problems({**RECIPE, "distributon": {}})
 
 
+@pytest.mark.parametrize("field, value, line", [
+    ("sharding_degree", "FULL",
+     "distribution.sharding_degree: got 'FULL'; give a whole number, 'auto' or 'full'"),
+    ("microbatches", 0, "distribution.microbatches: got 0; give a whole number ≥ 1 or 'auto'"),
+    ("partition", "foo", "distribution.partition: got 'foo'; give 'auto', 'uniform' or a list"),
+])
+def test_a_field_of_several_types_gets_one_line_with_every_choice(field, value, line):
+    # pydantic reports each type on its own (distribution.sharding_degree.int: ...,
+    # ...sharding_degree.literal['auto','full']: ...), which read as two contradicting fixes
+    msg = problems({**RECIPE, "distribution": {field: value}})
+    assert msg == line
+
+
 def test_unknown_instance_type_names_the_value_and_closest_type():
     msg = problems({**RECIPE, "compute": {"instance_type": "p4d.24xlarg"}})
     assert msg.startswith("compute.instance_type: unknown instance type 'p4d.24xlarg'")
