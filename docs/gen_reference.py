@@ -64,6 +64,8 @@ def _type_of(schema: dict[str, Any], anchors: dict[str, str]) -> str:
     if "enum" in schema:
         return "one of " + ", ".join(f"`{v}`" for v in schema["enum"])
     kind = schema.get("type", "any")
+    if isinstance(kind, list):  # {"type": ["string", "number"]}
+        return " or ".join(kind)
     if kind == "array":
         return "list of " + _type_of(schema.get("items", {}), anchors)
     if kind == "object":
@@ -81,7 +83,8 @@ def _default_of(name: str, schema: dict[str, Any], required: set[str]) -> str:
         return f"`{json.dumps(schema['default'])}`"
     if "$ref" in schema:
         return "see below"
-    return {"object": "`{}`", "array": "`[]`"}.get(schema.get("type", ""), "")
+    kind = schema.get("type") or schema.get("anyOf", [{}])[0].get("type", "")  # a factory's
+    return {"object": "`{}`", "array": "`[]`"}.get(kind, "")
 
 
 def _model_order(schema: dict[str, Any]) -> list[tuple[str, str]]:

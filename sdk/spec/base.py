@@ -3,10 +3,41 @@ yes/no is never taken for a number."""
 
 from __future__ import annotations
 
+import re
 import types
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _parse_duration(value: Any) -> Any:
+    """Seconds as an int, or a string like ``90m``, ``2h``, ``1.5d``."""
+    if isinstance(value, str):
+        match = _DURATION.match(value)
+        if not match:
+            raise ValueError(f"{value!r} is not a duration; use seconds or e.g. '90m', '2h', '1d'")
+        return int(float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+    return value
+
+
+def duration(low: int, high: int) -> Any:
+    """A field type of whole seconds in ``[low, high]``, given as seconds or as ``90m``, ``2h``,
+    ``1d``; its JSON schema (``dtrain schema``) takes both forms."""
+    return Annotated[int, BeforeValidator(_parse_duration), Field(ge=low, le=high),
+                     WithJsonSchema({"anyOf": [
+                         {"type": "integer", "minimum": low, "maximum": high},
+                         {"type": "string", "pattern": _DURATION.pattern}]})]
 
 
 class _Model(BaseModel):

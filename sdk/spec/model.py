@@ -18,14 +18,14 @@ from typing import Annotated, Any, Literal
 
 from dtrain.core import contract, instances, names, pipeline, s3
 from dtrain.core.errors import SpecError, SpecWarning
-from dtrain.spec.base import _Model
+from dtrain.spec.base import _Model, duration
 from dtrain.spec.smp import translate_distribution
 from dtrain.spec.targets import Ec2Options, SageMakerOptions, SlurmOptions
 from pydantic import (
-    BeforeValidator,
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -33,21 +33,7 @@ from pydantic import (
 RESERVED_HP_PREFIXES = ("dtrain_", "sagemaker_")
 _CHANNEL = re.compile(r"^[A-Za-z0-9.\-_]{1,64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
-_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def _parse_duration(value: Any) -> Any:
-    """Seconds as an int, or a string like ``90m``, ``2h``, ``1.5d``."""
-    if isinstance(value, str):
-        match = _DURATION.match(value)
-        if not match:
-            raise ValueError(f"{value!r} is not a duration; use seconds or e.g. '90m', '2h', '1d'")
-        return int(float(match.group(1)) * _UNIT_SECONDS[match.group(2)])
-    return value
-
-
-Seconds = Annotated[int, BeforeValidator(_parse_duration), Field(ge=1, le=28 * 86400)]
+Seconds = duration(1, 28 * 86400)
 
 
 DEFAULT_MAX_RUN_S = {"local": 2 * 3600, "sagemaker": 86400, "ec2": 86400, "slurm": 86400}
@@ -275,10 +261,17 @@ class JobSpec(_Model):
         "a local folder for local jobs (default: under $DTRAIN_HOME/jobs).",
     )
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description="Checkpointing.")
-    environment: dict[str, str] = Field(
+    # their JSON schemas take what _numbers_as_text reads: numbers, and tags as SageMaker lists
+    environment: Annotated[dict[str, str], WithJsonSchema(
+        {"type": "object", "additionalProperties": {"type": ["string", "number"]}})] = Field(
         default_factory=dict, description="Environment variables for every worker."
     )
-    tags: dict[str, str] = Field(
+    tags: Annotated[dict[str, str], WithJsonSchema({"anyOf": [
+        {"type": "object", "additionalProperties": {"type": ["string", "number"]}},
+        {"type": "array", "items": {
+            "type": "object", "required": ["Key", "Value"], "additionalProperties": False,
+            "properties": {"Key": {"type": "string"}, "Value": {"type": ["string", "number"]}}}},
+    ]})] = Field(
         default_factory=dict, description="Tags on cloud resources: a mapping, or SageMaker's "
         "list of {Key, Value}.")
     sagemaker: SageMakerOptions = Field(

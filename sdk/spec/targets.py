@@ -7,7 +7,7 @@ import re
 from typing import Literal
 
 from dtrain.core import aws_images, torch_support
-from dtrain.spec.base import _Model
+from dtrain.spec.base import _Model, duration
 from pydantic import Field, field_validator
 
 _ROLE_ARN = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/[\w+=,.@\-/]{1,512}$")
@@ -36,8 +36,8 @@ class SageMakerOptions(_Model):
     input_mode: Literal["File", "FastFile", "Pipe"] = Field(
         "File", description="How SageMaker delivers input channels."
     )
-    keep_alive_period: int | None = Field(
-        None, ge=0, le=3600, description="Warm-pool keep-alive after the job, seconds."
+    keep_alive_period: duration(0, 3600) | None = Field(  # type: ignore[valid-type]
+        None, description="Warm-pool keep-alive after the job, seconds or e.g. '10m'."
     )
     subnets: list[str] = Field(default_factory=list, description="VPC subnet ids.")
     security_group_ids: list[str] = Field(default_factory=list, description="VPC security groups.")

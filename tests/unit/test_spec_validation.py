@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
+import jsonschema
 import pytest
+import yaml
 from dtrain.core.errors import SpecError, SpecWarning
 from dtrain.spec.model import JobSpec
+
+ROOT = Path(__file__).resolve().parents[2]
 
 RECIPE = {"entry_point": "recipe:causal_lm"}
 ROLE = "arn:aws:iam::111122223333:role/dtrain-test"
@@ -386,6 +391,19 @@ def test_every_schema_property_has_a_description():
                for prop, body in model.get("properties", {}).items()
                if not body.get("description")]
     assert missing == []
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")),
+                         ids=lambda path: path.name)
+def test_the_examples_pass_the_schema_dtrain_schema_prints(example):
+    # what an editor or a CI check does with `dtrain schema`: durations ('10m'), SageMaker's
+    # tag lists and numbers in environment are valid there as they are to dtrain
+    validator = jsonschema.Draft202012Validator(JobSpec.model_json_schema())
+    assert [e.message for e in validator.iter_errors(yaml.safe_load(example.read_text()))] == []
+    extra = {"entry_point": "train.py", "environment": {"OMP_NUM_THREADS": 4},
+             "tags": [{"Key": "team", "Value": "ml"}], "sagemaker": {"keep_alive_period": "10m"}}
+    assert [e.message for e in validator.iter_errors(extra)] == []
+    assert list(validator.iter_errors({**extra, "compute": {"max_run": "soon"}}))
 
 
 def test_a_local_job_far_beyond_this_machine_is_refused_unless_forced(monkeypatch):
