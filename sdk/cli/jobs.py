@@ -148,7 +148,8 @@ def _print_transition(record: Any) -> None:
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait for the job to end (and exit 1 unless it completed); on EC2, then up "
                    "to 5 min more until its nodes have terminated and its groups are removed.")
-@click.option("--follow", "-f", is_flag=True, help="Stream every log line while it runs.")
+@click.option("--follow", "-f", is_flag=True, help="Stream every log line while it runs (to "
+              "stderr with -o json, whose record stays alone on stdout).")
 @click.option("--dry-run", is_flag=True, help="Print the plan and the request that would be sent; "
               "run nothing.")
 @click.option("--yes", "-y", is_flag=True,
@@ -172,6 +173,9 @@ def submit(spec_path: str | None, overrides: tuple[str, ...], target: str | None
 
     if spec_path is None and resume is None:
         raise SpecError("give a SPEC file, or --resume JOB to resubmit a job")
+    if not wait and (follow or stop_on_interrupt):
+        raise click.UsageError(f"{'--follow' if follow else '--stop-on-interrupt'} waits for the "
+                               "job to end; drop --no-wait, or that flag")
     spec = load_spec(spec_path, overrides, target) if spec_path else None
     if resume:
         spec = jobs.resume_spec(resume, spec=spec, overrides=None if spec_path else
@@ -189,9 +193,9 @@ def submit(spec_path: str | None, overrides: tuple[str, ...], target: str | None
             echo_json(record.to_dict())
         return
     try:
-        if follow:
+        if follow:  # with -o json, stdout holds only the final record
             for line in jobs.logs(record.id, follow=True):
-                click.echo(line)
+                click.echo(line, err=output == "json")
         elif output != "json":
             _show_progress(record.id)
         final = jobs.wait_for(record.id,

@@ -75,6 +75,17 @@ def test_failed_job_exits_non_zero_with_one_line_reason(tmp_path):
     assert "Failed: rank 0 on algo-1 exited with code 1: ValueError: bad batch" in result.stderr
 
 
+def test_followed_logs_keep_out_of_the_json_record(tmp_path):
+    # -o json --follow: stdout is the final record, which a script parses; the lines go to stderr
+    spec = write_job(tmp_path, "print('hello from rank 0')\nraise ValueError('bad batch')\n")
+    result = dtrain("submit", spec, "--follow", "-o", "json", check=False)
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["status"] == "Failed"
+    assert "[algo-1 0]:hello from rank 0" in result.stderr
+    usage = dtrain("submit", spec, "--no-wait", "--follow", check=False)
+    assert usage.returncode == 2 and "--follow waits for the job to end" in usage.stderr
+
+
 def test_invalid_input_exits_2_and_unknown_job_exits_1(tmp_path):
     spec = write_job(tmp_path, "", instance_count=0)
     assert dtrain("submit", spec, check=False).returncode == 2
