@@ -5,7 +5,7 @@ a Hugging Face folder named by ``model``, plus explicit keys). Stdlib only.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ class ModelShape:
     intermediate_size: int | None = None
     model_type: str | None = None  # known for a preset or HF folder, as are the two below
     tied_embeddings: bool = False  # the output layer shares the token embedding
+    not_sizes: dict[str, Any] = field(default_factory=dict)  # size keys below 1, left out
 
     @property
     def dims(self) -> ModelDims | None:
@@ -57,6 +58,8 @@ def model_shape(hps: dict[str, Any]) -> ModelShape | None:
     name = hps.get("model")
     if isinstance(name, str) and name:
         config, source = _model_config(name), name
+    not_sizes = _below_one(hps)
+    hps = {key: value for key, value in hps.items() if key not in not_sizes}
     shape = {key: _first(hps, names, config) for key, names in _SHAPE_KEYS.items()}
     explicit = hps.get("num_parameters")
     if explicit is None and not all(shape[k] for k in ("hidden_size", "num_layers", "vocab_size")):
@@ -81,6 +84,7 @@ def model_shape(hps: dict[str, Any]) -> ModelShape | None:
                                else None),
             model_type=config.get("model_type"),
             tied_embeddings=bool(config) and presets.ties_embeddings(config),
+            not_sizes=not_sizes,
         )
     except (TypeError, ValueError):
         raise SpecError(
@@ -89,14 +93,32 @@ def model_shape(hps: dict[str, Any]) -> ModelShape | None:
         ) from None
 
 
+def _below_one(hps: dict[str, Any]) -> dict[str, Any]:
+    """The size keys whose number is below 1 (``seq_len: -1``, a script's own sentinel perhaps):
+    not sizes, so the shape is read without them (a recipe refuses them before the plan)."""
+    keys = ("num_parameters", *(name for names in _SHAPE_KEYS.values() for name in names))
+    return {key: hps[key] for key in keys if isinstance(hps.get(key), (int, float))
+            and not isinstance(hps[key], bool) and hps[key] < 1}
+
+
 def _model_config(name: str) -> dict[str, Any]:
     folder = Path(name).expanduser()
-    if (folder / "config.json").is_file():
-        return json.loads((folder / "config.json").read_text())
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            return json.loads(config.read_text())
+        except (ValueError, OSError) as exc:
+            raise SpecError(f"hyperparameters.model: {config} is not a readable JSON model "
+                            f"config ({exc}); fix it, or name a preset") from None
+    if folder.is_dir():
+        raise SpecError(f"hyperparameters.model: the folder {name} has no config.json; give a "
+                        "Hugging Face model folder (config.json and weights) or a preset name")
     try:
         return presets.get_preset(name)
     except ValueError as exc:
-        raise SpecError(f"hyperparameters.model: {exc}") from None
+        where = "" if folder.is_absolute() else f" (a relative folder is read from {Path.cwd()})"
+        raise SpecError(f"hyperparameters.model: {exc}; or give a Hugging Face model "
+                        f"folder{where}") from None
 
 
 def _first(hps: dict, names: tuple[str, ...], config: dict) -> Any:

@@ -152,6 +152,10 @@ def plan(spec: JobSpec) -> Plan:
                           backend=backend, precision=precision)
     work = workload(model, precision, dist.activation_checkpointing) if model else None
     notes: list[str] = []
+    if model is not None and model.not_sizes:
+        given = ", ".join(f"{key} {value!r}" for key, value in model.not_sizes.items())
+        notes.append(f"hyperparameters {given}: not a size (below 1), so the estimates leave it "
+                     "out and take the model's or the default size")
     if model is None:
         notes.append("no model size in hyperparameters (model: <preset or HF folder>, "
                      "num_parameters, or hidden_size + num_layers + vocab_size): memory, "

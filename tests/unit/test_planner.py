@@ -211,3 +211,34 @@ def test_fp32_computes_at_the_gpus_fp32_peak_not_its_half_precision_one():
     assert (half.mixed_precision, full.mixed_precision) == ("bf16", "fp32")
     ratio = by_name(full, "MiCS").compute_s / by_name(half, "MiCS").compute_s
     assert ratio == pytest.approx(312 / 19.5)
+
+
+def script_job(tmp_path, **hps) -> JobSpec:
+    return JobSpec.from_dict({
+        "entry_point": "train.py", "source_dir": str(ROOT / "examples" / "sagemaker_src"),
+        "hyperparameters": hps,
+        "compute": {"target": "local", "instance_type": "local", "instance_count": 1}})
+
+
+def test_a_script_s_size_below_one_is_left_out_of_the_estimates_with_a_note(tmp_path):
+    # seq_len -1 was planned as is: "seq -1", negative compute and tokens/s; a script's sentinel
+    # is its own business (a recipe refuses it before the plan), the plan does not use it
+    result = plan(script_job(tmp_path, model="gpt-neox-tiny", seq_len=-1, micro_batch_size=0))
+    assert (result.model.seq_len, result.model.micro_batch_size) == (256, 1)
+    assert all(s.step_s > 0 and s.tokens_per_s > 0 for s in result.strategies)
+    assert "hyperparameters seq_len -1, micro_batch_size 0: not a size (below 1)" in \
+        " ".join(result.notes)
+
+
+def test_a_model_folder_without_a_readable_config_is_named_not_a_traceback(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{")
+    with pytest.raises(SpecError, match=r"hyperparameters.model: .*bad/config.json is not a "
+                                        r"readable JSON model config \(Expecting"):
+        plan(script_job(tmp_path, model=str(tmp_path / "bad")))
+    with pytest.raises(SpecError, match=r"the folder .*empty has no config.json"):
+        plan(script_job(tmp_path, model=str(tmp_path / "empty")))
+    with pytest.raises(SpecError, match=r"unknown model preset 'nope'.*; or give a Hugging Face "
+                                        r"model folder \(a relative folder is read from "):
+        plan(script_job(tmp_path, model="nope"))
