@@ -31,7 +31,8 @@ def spec_options(func: Callable | None = None, *, required: bool = True) -> Call
     func = click.option(
         "--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE",
         help="Override a spec field before validation, e.g. --set compute.instance_count=2 "
-             "(value parsed as YAML; repeatable).",
+             "(value parsed as YAML, kept as typed for a text field such as environment.X; "
+             "repeatable).",
     )(func)
     return click.argument("spec_path", metavar="SPEC" if required else "[SPEC]",
                           type=click.Path(dir_okay=False), required=required)(func)

@@ -62,6 +62,28 @@ class _Model(BaseModel):
         return value
 
 
+def takes_text(model: type[BaseModel], parts: list[str]) -> bool:
+    """Whether the field at ``parts`` (``environment.ZIP``, ``name``) holds text only, so a
+    ``--set`` value for it is kept as typed (``007``, ``1.10``, ``true``) rather than read as a
+    number or a yes/no."""
+    annotation: Any = model
+    for part in parts:
+        options = [o for o in _options(annotation) if o is not type(None)]
+        if len(options) != 1:
+            return False
+        current = options[0]
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(part)
+            if field is None:
+                return False
+            annotation = field.annotation
+        elif get_origin(current) is dict:  # a key of a mapping: its values' type
+            annotation = get_args(current)[1]
+        else:
+            return False
+    return [o for o in _options(annotation) if o is not type(None)] == [str]
+
+
 def _options(annotation: Any) -> list[Any]:
     """The alternatives of a union (``Optional`` and ``Annotated`` unwrapped), else itself."""
     origin = get_origin(annotation)

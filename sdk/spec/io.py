@@ -68,7 +68,11 @@ def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict:
-    """Return a copy of ``data`` with each ``a.b.c=value`` set (value parsed as YAML)."""
+    """Return a copy of ``data`` with each ``a.b.c=value`` set: parsed as YAML, or as typed
+    where the spec's field holds text only (``environment.ZIP=007`` stays ``"007"``)."""
+    from dtrain.spec.base import takes_text
+    from dtrain.spec.model import JobSpec
+
     result = _deep_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -82,8 +86,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
                 prefix = ".".join(parts[: depth + 1])
                 raise SpecError(f"--set {item!r}: {prefix} is a value, not a section")
             node = child
-        node[parts[-1]] = parse_value(raw)
+        node[parts[-1]] = raw if takes_text(JobSpec, parts) and not _quoted_or_null(raw) \
+            else parse_value(raw)
     return result
+
+
+def _quoted_or_null(raw: str) -> bool:
+    """``"12345"`` (quoted as YAML would take it) or ``null``: parsed even for a text field."""
+    text = raw.strip()
+    return text in ("null", "~") or (len(text) > 1 and text[0] == text[-1] and text[0] in "'\"")
 
 
 def parse_value(raw: str) -> Any:

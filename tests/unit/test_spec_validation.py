@@ -535,3 +535,19 @@ def test_a_grace_period_in_the_environment_must_be_whole_seconds():
         problems({**RECIPE, "environment": {"DTRAIN_STOP_GRACE_PERIOD": "30s"}})
     spec = JobSpec.from_dict({**RECIPE, "environment": {"DTRAIN_STOP_GRACE_PERIOD": "60"}})
     assert spec.environment["DTRAIN_STOP_GRACE_PERIOD"] == "60"
+
+
+def test_set_keeps_a_text_field_s_value_as_typed():
+    # --set environment.ZIP=007 stored '7' and V=1.10 '1.1' (read as numbers); name=12345 and
+    # framework_version=2.10 were refused as numbers ("quote it in YAML", on a command line)
+    spec = JobSpec.from_file(ROOT / "examples" / "local-cpu.yaml", overrides=[
+        "environment.ZIP=007", "environment.V=1.10", "environment.FLAG=true", "name=12345",
+        "environment.QUOTED='quoted'", "hyperparameters.lr=3e-4", "compute.instance_count=1",
+        "output_path=null"])
+    assert spec.environment["ZIP"] == "007" and spec.environment["V"] == "1.10"
+    assert spec.environment["FLAG"] == "true" and spec.environment["QUOTED"] == "quoted"
+    assert spec.name == "12345" and spec.output_path is None
+    assert spec.hyperparameters["lr"] == 3e-4 and spec.compute.instance_count == 1
+    ported = JobSpec.from_file(ROOT / "examples" / "sagemaker-p4d.yaml",
+                               overrides=["sagemaker.framework_version=2.10"])
+    assert ported.sagemaker.framework_version == "2.10"
