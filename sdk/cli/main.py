@@ -31,16 +31,19 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @spec_options
 @OUTPUT_OPTION
 def validate(spec_path: str, overrides: tuple[str, ...], target: str | None, output: str) -> None:
-    """Check a job spec without running anything; print the resolved spec with -o json.
+    """Check a job spec without running anything; print it as validated (defaults filled in;
+    `auto` settings are resolved by `dtrain plan`) with -o json.
 
     Runs the same rules as `dtrain plan` and `dtrain submit` (the target's rule set and the
-    parallelism plan): what passes here is accepted there. What needs the cloud (a bucket
+    parallelism plan): what passes here is accepted there, and the plan's notes (e.g. a
+    model that would not fit the device) are printed to stderr. What needs the cloud (a bucket
     exists, a role can be assumed) is checked at submit.
     """
     from dtrain.planning.planner import plan as make_plan
 
     spec = load_spec(spec_path, overrides, target)
-    make_plan(spec)
+    for note in make_plan(spec).notes:
+        click.echo(f"note: {note}", err=True)
     if output == "json":
         echo_json(spec.to_dict())
     else:

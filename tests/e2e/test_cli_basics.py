@@ -35,6 +35,15 @@ def test_validate_ok_prints_a_summary(spec_file):
     assert result.stdout.startswith("ok: causal-lm · target local")
 
 
+def test_validate_shows_the_plan_s_notes():
+    # a model that cannot fit its devices: validate said only "ok" while plan warned
+    example = Path(__file__).resolve().parents[2] / "examples" / "sagemaker-p4d.yaml"
+    result = dtrain("validate", str(example), "--set", "hyperparameters.model=gpt-neox-20b",
+                    "--set", "distribution.sharding_degree=1")
+    assert result.returncode == 0 and result.stdout.startswith("ok: pythia-1b-p4d")
+    assert "note: estimated 315.5 GiB per device exceeds its 40 GiB" in result.stderr
+
+
 def test_invalid_spec_exits_2_with_one_line_and_no_traceback(spec_file):
     result = dtrain("validate", str(spec_file), "--set", "compute.instance_count=0")
     assert result.returncode == 2
