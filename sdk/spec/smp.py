@@ -30,7 +30,7 @@ def translate_distribution(data: Any) -> tuple[Any, list[str]]:
     if not isinstance(data, dict) or not any(k in data for k in _WRAPPER_KEYS):
         return data, []
     notes: list[str] = []
-    out: dict[str, Any] = {k: v for k, v in data.items() if k not in _WRAPPER_KEYS}
+    out: dict[str, Any] = {}  # what the SMP settings translate to
     if _enabled(data.get("pytorchddp")):
         out.setdefault("sharding_degree", 1)
     if "mpi" in data:
@@ -51,7 +51,13 @@ def translate_distribution(data: Any) -> tuple[Any, list[str]]:
                     f"{type(params).__name__}"
                 )
             _translate_parameters(params, out, notes)
-    return out, notes
+    # dtrain's own fields given beside the SMP dict (or by --set) win over the translation
+    given = {k: v for k, v in data.items() if k not in _WRAPPER_KEYS}
+    for key, value in given.items():
+        if key in out and out[key] != value:
+            notes.append(f"distribution.{key} {value!r} is used over the {out[key]!r} the SMP "
+                         "settings translate to")
+    return {**out, **given}, notes
 
 
 def _enabled(section: Any) -> bool:

@@ -270,6 +270,19 @@ class TestSmpDistributionTranslation:
             warnings.simplefilter("error")  # nothing to say without a pipeline
             JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": no_pipeline})
 
+    def test_dtrain_s_own_fields_beside_the_smp_dict_win(self):
+        # the porting guide's local run sets sharding_degree and mixed_precision auto over an
+        # SMP dict: the translation silently replaced them (8 exceeds the world size 2)
+        smp = {"smdistributed": {"modelparallel": {"parameters": {
+            "sharded_data_parallel_degree": 8, "bf16": True}}},
+            "sharding_degree": "auto", "mixed_precision": "auto"}
+        with pytest.warns(SpecWarning, match=r"distribution.sharding_degree 'auto' is used over "
+                                             r"the 8 the SMP settings translate to"):
+            spec = JobSpec.from_dict({**RECIPE, "distribution": smp,
+                                      "compute": {"instance_count": 2}})
+        assert (spec.distribution.sharding_degree, spec.distribution.mixed_precision) == \
+            ("auto", "auto")
+
     def test_v2_hybrid_shard_degree_dict(self):
         smp = {"torch_distributed": {"enabled": True}, "smdistributed": {"modelparallel": {
             "enabled": True, "parameters": {"hybrid_shard_degree": 8}}}}
