@@ -346,8 +346,16 @@ def _uri(value: Any, *, mode: str) -> str:
         if source.get(key, ours) != ours:
             raise DtrainError(
                 f"fit inputs: TrainingInput({uri!r}) asks for {key} {source[key]!r}; a dtrain "
-                f"channel is an {ours} S3 prefix (every host gets it whole; the script or "
+                f"channel is {ours} (an S3 prefix every host gets whole; the script or "
                 "dtrain's data loader splits it by rank): give the prefix")
+    kept = {"DataSource", "InputMode", *_CHANNEL_AS_DTRAIN, "S3Uri"}
+    other = sorted(key for key, setting in {**config, **source}.items()
+                   if key not in kept and setting not in (None, "None"))
+    if other:  # compression, record wrapping, shuffling, attributes, content type
+        raise DtrainError(
+            f"fit inputs: TrainingInput({uri!r}) sets {', '.join(other)}, which a dtrain channel "
+            "does not carry (every host gets the prefix's files as they are); drop "
+            f"{'it' if len(other) == 1 else 'them'}, and decompress or shuffle in the script")
     own = config.get("InputMode")
     if own not in (None, mode):
         raise DtrainError(f"fit inputs: TrainingInput({uri!r}, input_mode={own!r}): dtrain has "

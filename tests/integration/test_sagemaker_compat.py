@@ -162,6 +162,16 @@ def test_a_training_input_dtrain_cannot_carry_is_refused():
         estimator().to_spec(training_input(S3DataDistributionType="ShardedByS3Key"))
     with pytest.raises(DtrainError, match="asks for S3DataType 'ManifestFile'"):
         estimator().to_spec(training_input(S3DataType="ManifestFile"))
+    # what changes the bytes a host gets (they were dropped: a gzip channel arrived compressed)
+    gzip = training_input(AttributeNames=["label"])
+    gzip.config.update(CompressionType="Gzip", RecordWrapperType="None", ContentType=None)
+    with pytest.raises(DtrainError, match=r"sets AttributeNames, CompressionType, which a dtrain "
+                                          r"channel does not carry .*; drop them"):
+        estimator().to_spec(gzip)
+    shuffled = training_input()
+    shuffled.config["ShuffleConfig"] = {"Seed": 3}
+    with pytest.raises(DtrainError, match=r"sets ShuffleConfig, .*; drop it, and decompress"):
+        estimator().to_spec(shuffled)
 
 
 def test_to_model_trainer_without_the_sdk_says_how_to_install_it(monkeypatch):
