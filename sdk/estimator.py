@@ -29,6 +29,7 @@ class Estimator:
                  max_run: int | str | None = None, max_restarts: int | None = None,
                  use_spot_instances: bool = False, checkpoint_s3_uri: str | None = None,
                  max_wait: int | str | None = None, volume_size: int | None = None,
+                 price_per_hour: float | None = None, oversubscribe: bool | None = None,
                  role: str | None = None,
                  tags: dict[str, str] | list[dict[str, str]] | None = None,
                  checkpoint: dict[str, Any] | None = None,
@@ -50,7 +51,8 @@ class Estimator:
         }
         optional = {"processes_per_instance": processes_per_instance, "max_run": max_run,
                     "max_restarts": max_restarts, "max_wait": max_wait,
-                    "volume_size_gb": volume_size}
+                    "volume_size_gb": volume_size, "price_per_hour": price_per_hour,
+                    "oversubscribe": oversubscribe}
         compute.update({k: v for k, v in optional.items() if v is not None})
         self.spec_data: dict[str, Any] = {
             "name": name or (names.sanitize(base_job_name) if base_job_name else None),

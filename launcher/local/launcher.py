@@ -49,6 +49,7 @@ class LocalState(TargetState):
     hosts: list[str] = field(default_factory=list)
     monitor: dict[str, Any] | None = None  # process.describe() of the monitor
     agents: list[dict[str, Any]] = field(default_factory=list)  # of each node agent
+    model_data: str | None = None  # the first host's model/, where rank 0 writes the model
 
 
 def checkpoint_folder(payload: dict[str, Any], job_dir: str) -> str:
@@ -100,8 +101,10 @@ class LocalLauncher(Launcher):
         payload = request.payload
         job_dir = os.path.abspath(os.path.join(payload["output_path"] or jobs_folder(),
                                                request.job.id))
+        model_dir = contract.Paths(layout.host_root(job_dir, payload["hosts"][0])).model_dir
         return LocalState.changes(job_dir=job_dir, hosts=payload["hosts"],
-                                  checkpoints=checkpoint_folder(payload, job_dir))
+                                  checkpoints=checkpoint_folder(payload, job_dir),
+                                  model_data=model_dir)
 
     def submit(self, request: Request, journal: Journal) -> Handle:
         payload = request.payload

@@ -25,5 +25,6 @@ def test_attach_and_model_data_of_a_finished_local_job(tmp_path):
     attached = Estimator.attach("attach-me")
     assert attached.latest_job.id == record.id
     assert attached.spec().entry_point == "train.py"
-    model_root = Path(attached.model_data)
-    assert any(p.read_text() == "trained" for p in model_root.rglob("model.txt"))
+    # the model folder itself (rank 0's host's), not the job folder around it
+    assert (Path(attached.model_data) / "model.txt").read_text() == "trained"
+    assert est.model_data == attached.model_data

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+from dtrain.core.errors import SpecWarning
 from dtrain.estimator import Estimator
 
 
@@ -55,6 +57,12 @@ def test_every_target_s_settings_can_be_given_from_python(tmp_path):
                      checkpoint={"interval_steps": 50, "keep_last": 3},
                      sagemaker={"region": "us-west-2"}).spec().checkpoint
     assert (kept.uri, kept.interval_steps, kept.keep_last) == ("s3://my-bucket/ckpt", 50, 3)
+    # every compute field: a refusal's fix ("set compute.oversubscribe: true") can be applied
+    with pytest.warns(SpecWarning, match="will be slow"):
+        crowded = Estimator(entry_point="train.py", source_dir=str(tmp_path), instance_count=3,
+                            processes_per_instance=3, oversubscribe=True,
+                            price_per_hour=0.5).spec()
+    assert (crowded.compute.oversubscribe, crowded.compute.price_per_hour) == (True, 0.5)
 
 
 def test_client_side_job_modules_do_not_import_torch():
