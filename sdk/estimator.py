@@ -49,6 +49,9 @@ class Estimator:
             "instance_type": instance_type, "instance_count": instance_count,
             "use_spot": use_spot_instances,
         }
+        if processes_per_instance is None:  # an SMP estimator's distribution says it there
+            processes_per_instance = ((distribution or {}).get("mpi") or {}).get(
+                "processes_per_host")
         optional = {"processes_per_instance": processes_per_instance, "max_run": max_run,
                     "max_restarts": max_restarts, "max_wait": max_wait,
                     "volume_size_gb": volume_size, "price_per_hour": price_per_hour,

@@ -116,6 +116,12 @@ class PyTorch:
         """The JobSpec (as a dict) these constructor arguments and ``inputs`` mean."""
         if not self.instance_type:
             raise DtrainError("PyTorch(instance_type=...): required; e.g. 'ml.p4d.24xlarge'")
+        if self.instance_type in ("local", "local_gpu"):  # the SageMaker SDK's local mode
+            raise DtrainError(
+                f"PyTorch(instance_type={self.instance_type!r}): this class runs SageMaker "
+                "training jobs; to run the same script on this machine use "
+                f"dtrain.Estimator(entry_point=..., instance_type={self.instance_type!r}, ...) "
+                "with the same arguments, or `dtrain submit job.yaml --target local`")
         sm = {"role": self.role, "image_uri": self.image_uri, "subnets": self.subnets or [],
               "security_group_ids": self.security_group_ids or [],
               "enable_network_isolation": self.enable_network_isolation,

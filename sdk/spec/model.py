@@ -36,6 +36,20 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 Seconds = duration(1, 28 * 86400)
 
 
+def _note(message: str) -> None:
+    """A SpecWarning shown at the user's line: the first caller outside dtrain and pydantic
+    (a validator's own frame is inside pydantic, which is all ``stacklevel=2`` would show)."""
+    import sys
+
+    import pydantic
+
+    inside = (str(Path(__file__).parents[1]), str(Path(pydantic.__file__).parent))
+    frame, level = sys._getframe(1), 2  # level 2: the frame that called _note
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, SpecWarning, stacklevel=level)
+
+
 DEFAULT_MAX_RUN_S = {"local": 2 * 3600, "sagemaker": 86400, "ec2": 86400, "slurm": 86400}
 
 
@@ -206,7 +220,7 @@ class Distribution(_Model):
     def _translate_smp(cls, data: Any) -> Any:
         translated, notes = translate_distribution(data)
         for note in notes:
-            warnings.warn(note, SpecWarning, stacklevel=2)
+            _note(note)
         return translated
 
 
@@ -386,7 +400,7 @@ class JobSpec(_Model):
 
         problems, notes = check_spec(self, _BASE_DIR.get() or Path(os.getcwd()))
         for note in notes:
-            warnings.warn(note, SpecWarning, stacklevel=2)
+            _note(note)
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -36,11 +36,16 @@ def translate_distribution(data: Any) -> tuple[Any, list[str]]:
     if "mpi" in data:
         notes.append("distribution.mpi is not used: dtrain starts workers with torch elastic; "
                      "processes per host are compute.processes_per_instance "
-                     "(dtrain.sagemaker.PyTorch reads mpi.processes_per_host into it)")
+                     "(dtrain.Estimator and dtrain.sagemaker.PyTorch read "
+                     "mpi.processes_per_host into it)")
     smp = data.get("smdistributed")
     if isinstance(smp, dict):
+        if _enabled(smp.get("dataparallel")):  # SageMaker's data-parallel library: DDP
+            out["sharding_degree"] = 1
+            notes.append("distribution.smdistributed.dataparallel: plain data parallel "
+                         "(sharding_degree 1), with dtrain's gradient all-reduce for SMDDP's")
         for key in smp:
-            if key != "modelparallel":
+            if key not in ("modelparallel", "dataparallel"):
                 notes.append(f"distribution.smdistributed.{key} is ignored by dtrain")
         mp = smp.get("modelparallel")
         if isinstance(mp, dict) and mp.get("enabled", True):

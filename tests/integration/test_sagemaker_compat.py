@@ -112,6 +112,12 @@ def test_a_single_s3_input_is_the_training_channel():
     assert estimator().to_spec("s3://b-ucket/data").inputs == {"training": "s3://b-ucket/data"}
 
 
+def test_sagemaker_s_local_mode_points_at_dtrain_s_local_target():
+    with pytest.raises(DtrainError, match=r"PyTorch\(instance_type='local'\): this class runs "
+                                          r"SageMaker training jobs; .*dtrain.Estimator"):
+        estimator(instance_type="local").to_spec()
+
+
 def test_unsupported_argument_is_a_one_line_error():
     with pytest.raises(DtrainError, match=r"PyTorch\(warm_start_config=...\): not supported"):
         estimator(warm_start_config=object())

@@ -63,6 +63,13 @@ def test_every_target_s_settings_can_be_given_from_python(tmp_path):
                             processes_per_instance=3, oversubscribe=True,
                             price_per_hour=0.5).spec()
     assert (crowded.compute.oversubscribe, crowded.compute.price_per_hour) == (True, 0.5)
+    # an SMP distribution's processes per host, as dtrain.sagemaker.PyTorch reads them
+    smp = {"smdistributed": {"modelparallel": {"parameters": {"hybrid_shard_degree": 2}}},
+           "mpi": {"enabled": True, "processes_per_host": 2}}
+    with pytest.warns(SpecWarning, match="distribution.mpi is not used"):
+        ported = Estimator(entry_point="train.py", source_dir=str(tmp_path),
+                           distribution=smp).spec()
+    assert (ported.compute.processes_per_instance, ported.distribution.sharding_degree) == (2, 2)
 
 
 def test_client_side_job_modules_do_not_import_torch():

@@ -283,6 +283,13 @@ class TestSmpDistributionTranslation:
         assert (spec.distribution.sharding_degree, spec.distribution.mixed_precision) == \
             ("auto", "auto")
 
+    def test_smddp_is_plain_data_parallel_and_notes_point_at_the_caller(self):
+        smddp = {"smdistributed": {"dataparallel": {"enabled": True}}}
+        with pytest.warns(SpecWarning, match="plain data parallel") as caught:
+            spec = JobSpec.from_dict(sagemaker(instance_count=2) | {"distribution": smddp})
+        assert spec.distribution.sharding_degree == 1
+        assert caught[0].filename == __file__  # not pydantic's validator frame
+
     def test_v2_hybrid_shard_degree_dict(self):
         smp = {"torch_distributed": {"enabled": True}, "smdistributed": {"modelparallel": {
             "enabled": True, "parameters": {"hybrid_shard_degree": 8}}}}
