@@ -204,9 +204,11 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
     location, problem = resume_from(record, clients=clients)
     if problem:
         raise DtrainError(problem)
+    from dtrain.spec.base import takes_text
     from dtrain.spec.io import apply_overrides
 
-    data = spec.to_dict() if spec is not None else apply_overrides(record.spec, overrides or [])
+    data = spec.to_dict() if spec is not None else apply_overrides(
+        record.spec, overrides or [], text_at=lambda parts: takes_text(JobSpec, parts))
     if data.get("compute", {}).get("target") != record.target:
         raise SpecError(f"--resume {job}: the job ran on {record.target}, this spec targets "
                         f"{data.get('compute', {}).get('target')}; resume on the same target")

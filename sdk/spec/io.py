@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -67,11 +68,11 @@ def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict:
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...], *,
+                    text_at: Callable[[list[str]], bool] = lambda parts: False) -> dict:
     """Return a copy of ``data`` with each ``a.b.c=value`` set: parsed as YAML, or as typed
-    where the spec's field holds text only (``environment.ZIP=007`` stays ``"007"``)."""
-    from dtrain.spec.base import takes_text
-    from dtrain.spec.model import JobSpec
+    where ``text_at(path)`` says the field holds text only (``environment.ZIP=007`` stays
+    ``"007"``; :func:`dtrain.spec.base.takes_text` answers it for a spec)."""
 
     result = _deep_copy(data)
     for item in overrides:
@@ -86,7 +87,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
                 prefix = ".".join(parts[: depth + 1])
                 raise SpecError(f"--set {item!r}: {prefix} is a value, not a section")
             node = child
-        node[parts[-1]] = raw if takes_text(JobSpec, parts) and not _quoted_or_null(raw) \
+        node[parts[-1]] = raw if text_at(parts) and not _quoted_or_null(raw) \
             else parse_value(raw)
     return result
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from dtrain.core import contract, instances, names, pipeline, s3
 from dtrain.core.errors import SpecError, SpecWarning
-from dtrain.spec.base import _Model, duration
+from dtrain.spec.base import _Model, duration, takes_text
 from dtrain.spec.smp import translate_distribution
 from dtrain.spec.targets import Ec2Options, SageMakerOptions, SlurmOptions
 from pydantic import (
@@ -325,7 +325,8 @@ class JobSpec(_Model):
         """Load YAML or JSON, apply ``key.path=value`` overrides, validate."""
         from dtrain.spec.io import apply_overrides, load_mapping
 
-        data = apply_overrides(load_mapping(path), overrides)
+        data = apply_overrides(load_mapping(path), overrides,
+                               text_at=lambda parts: takes_text(cls, parts))
         return cls.from_dict(data, base_dir=Path(path).resolve().parent)
 
     # --- field rules ----------------------------------------------------------------------
