@@ -152,7 +152,9 @@ class Distribution(_Model):
         "partition group spans nodes; `auto` = on there with backend `auto`.",
     )
     attention: Literal[contract.ATTENTION_KERNELS] = Field(
-        "flash", description="Attention kernel for dtrain's models."
+        "flash", description="Attention kernel of dtrain's models in the built-in recipes "
+        "(their `attention` hyperparameter overrides it); a script passes it on as "
+        "`from_preset(..., attention=ctx.config.attention)`."
     )
     tensor_parallel_degree: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         1,

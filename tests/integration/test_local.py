@@ -316,3 +316,20 @@ def test_a_submit_killed_half_way_leaves_a_record_that_ends(tmp_path, dtrain_hom
     if status == "Failed":
         assert jobs.get(record.id).failure_reason.startswith(
             "lost: `dtrain submit` ended before it started the job")
+
+
+def test_a_recipe_runs_the_attention_kernel_the_distribution_names(tmp_path):
+    # distribution.attention reached the contract but the recipe built its model with the
+    # default kernel (flash: SDPA's flash kernel on CPU)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text())
+    spec = JobSpec.from_dict({
+        "name": "eager", "entry_point": "recipe:causal_lm", "inputs": {"train": str(corpus)},
+        "hyperparameters": {"steps": 2, "seq_len": 32, "micro_batch_size": 2},
+        "output_path": str(tmp_path / "jobs"), "distribution": {"attention": "eager"},
+        "compute": {"instance_type": "local", "instance_count": 1, "max_run": 120}})
+    record = jobs.submit(spec, wait=True)
+    assert record.status == "Completed", record.failure_reason
+    log = (Path(record.target_data["job_dir"]) / "algo-1" / "output" / "logs" /
+           "rank-0.stderr.log").read_text()
+    assert "dtrain rank 0 attention kernel: eager" in log, log[-2000:]

@@ -154,7 +154,9 @@ def run_recipe(args: argparse.Namespace, *, recipe: str,
         if problems:
             raise ValueError(problems[0])
         dataset = load_dataset(args.data, ctx)
-        model = build_model(args.model, attention=args.attention, seed=args.seed)
+        # the recipe's own --attention, else the job's distribution.attention
+        model = build_model(args.model, attention=args.attention or ctx.config.attention,
+                            seed=args.seed)
         check_vocab(model, dataset)
         checkpointing = (ctx.config.activation_checkpointing
                          if args.activation_checkpointing is None
