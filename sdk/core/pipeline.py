@@ -176,7 +176,7 @@ def _auto_schedule(per_rank: Any, *, pp: int, microbatches: int, dp_shard: int |
     stages = 2 if per_rank == "auto" else per_rank
     # several stages a rank asked for by number: interleaved (the block count, once the model is
     # known, is checked with the partition); asked for by auto: only where the blocks are there
-    enough = num_blocks >= stages * pp if num_blocks is not None else per_rank != "auto"
+    enough = per_rank != "auto" or (num_blocks is not None and num_blocks >= stages * pp)
     if per_rank != 1 and enough:
         name = "interleaved-zero-bubble" if dp_shard == 1 else "interleaved-1f1b"
         # stages asked for by number stay interleaved: a micro-batch count it cannot run is

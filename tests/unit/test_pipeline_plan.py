@@ -181,3 +181,7 @@ def test_stages_per_rank_given_with_the_schedule_left_automatic_interleave_witho
     assert (chosen.pipeline_schedule, chosen.stages_per_rank) == ("interleaved-zero-bubble", 2)
     # stages_per_rank auto without the model: no block count to interleave on
     assert plan({"pipeline_parallel_degree": 2}).pipeline_schedule == "1f1b"
+    # with a model too small for them, the error says so (it blamed a 1f1b never asked for)
+    with pytest.raises(ParallelismError, match=r"2 ranks × 2 stages per rank = 4 stages, but "
+                                                r"the model has 2 blocks"):
+        plan({"pipeline_parallel_degree": 2, "stages_per_rank": 2}, num_blocks=2)
