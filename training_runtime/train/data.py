@@ -176,8 +176,10 @@ class DistributedTokenLoader:
             raise ValueError(
                 f"the checkpoint's data position is for {saved[0]} windows and a global "
                 f"micro-batch of {saved[1]}, this run has {self.num_windows} and "
-                f"{self.global_batch}; resume with the same data, seq_len, micro_batch_size and "
-                "world size, or start from a fresh checkpoint folder"
+                f"{self.global_batch}; resume with the same data and seq_len, and the same "
+                "global micro-batch: micro_batch_size × data-parallel ranks (a layout with more "
+                "data-parallel ranks, e.g. tensor parallelism turned off, needs a smaller "
+                "micro_batch_size), or start from a fresh checkpoint folder"
             )
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
         self._order = None
