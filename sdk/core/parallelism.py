@@ -289,7 +289,7 @@ def build_parallelism_plan(
         raise ParallelismError(
             field, f"{tp} does not divide the {devices_per_node} devices of a node; a "
             f"tensor-parallel group must stay inside a node: use one of {divisors(devices_per_node)}")
-    problem = tpl.mode_problem(mode, tp)
+    problem = tpl.mode_problem(mode, tp, devices_per_node=devices_per_node)
     if problem:
         raise ParallelismError("distribution.tensor_parallel_mode", problem)
     if model_dims is not None:

@@ -61,13 +61,21 @@ def split_ways(tp: int, mode: str) -> int:
     return tp if mode == "1d" else (grid_side(tp) or tp)
 
 
-def mode_problem(mode: Any, tp: int) -> str | None:
+def mode_problem(mode: Any, tp: int, *, devices_per_node: int | None = None) -> str | None:
+    """Why ``mode`` cannot run at degree ``tp``; the squares offered instead are those that
+    fit a node of ``devices_per_node`` (a tensor-parallel group stays inside one)."""
     if mode not in TP_MODES:
         return f"{mode!r}: use 1d (Megatron) or 2d (Optimus)"
     if mode == "2d" and tp > 1 and grid_side(tp) is None:
-        squares = ", ".join(str(q * q) for q in range(2, 9))
+        squares = [q * q for q in range(2, 9)
+                   if devices_per_node is None or devices_per_node % (q * q) == 0]
+        if not squares:
+            return (f"2d needs a square tensor_parallel_degree (a q × q grid), and no square "
+                    f"above 1 divides the {devices_per_node} devices of a node; use "
+                    "tensor_parallel_mode 1d")
         return (f"2d needs a square tensor_parallel_degree (a q × q grid), but it is {tp}; use "
-                f"one of {squares}, or tensor_parallel_mode 1d")
+                f"{'one of ' if len(squares) > 1 else ''}{', '.join(map(str, squares))}, or "
+                "tensor_parallel_mode 1d")
     return None
 
 

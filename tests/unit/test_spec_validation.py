@@ -358,7 +358,9 @@ class TestSmpDistributionTranslation:
     def test_two_d_tensor_parallelism_needs_a_square_degree(self):
         msg = problems(sagemaker() | {"distribution": {"tensor_parallel_degree": 2,
                                                        "tensor_parallel_mode": "2d"}})
-        assert "distribution.tensor_parallel_mode: 2d needs a square" in msg and "4, 9" in msg
+        # the squares that fit a p4d's 8 GPUs (9, 16, ... would span nodes)
+        assert msg == ("distribution.tensor_parallel_mode: 2d needs a square tensor_parallel_degree"
+                       " (a q × q grid), but it is 2; use 4, or tensor_parallel_mode 1d")
 
     def test_unused_smp_parameters_warn(self):
         smp = {"smdistributed": {"modelparallel": {"parameters": {
