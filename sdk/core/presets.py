@@ -157,6 +157,18 @@ def get_preset(name: str) -> dict[str, Any]:
 
 # Whether a family's output layer shares the token embedding when its config.json does not say
 # (Hugging Face's defaults: GPT-NeoX and GPT-J configs default to untied, the others to tied).
+# Hyperparameter names the planner reads a model's shape from (first one present wins), beside
+# ``model`` (a preset or Hugging Face folder) and ``num_parameters``.
+SHAPE_HYPERPARAMETERS = {
+    "hidden_size": ("hidden_size", "d_model", "n_embd"),
+    "num_layers": ("num_layers", "num_hidden_layers", "n_layer"),
+    "vocab_size": ("vocab_size",),
+    "seq_len": ("seq_len", "sequence_length", "max_seq_length", "max_context_width"),
+    "micro_batch_size": ("micro_batch_size", "train_batch_size", "batch_size"),
+    "num_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "intermediate_size": ("intermediate_size", "n_inner"),
+}
+
 _TIED_BY_DEFAULT = {"gpt_neox": False, "gptj": False}
 
 

@@ -9,6 +9,7 @@ input then fails in a second with the field or the file named, not 15-30 s later
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -26,6 +27,12 @@ POSITIVE = ("steps", "micro_batch_size", "seq_len", "log_interval")
 # types from here, so what validation accepts is what the recipe parses.
 NUMERIC = {"lr": float, "min_lr_ratio": float, "warmup_steps": int, "weight_decay": float,
            "max_grad_norm": float, "seed": int}
+# Every hyperparameter the recipes read (their parser, training_runtime/recipes/common.py; a
+# test holds the two equal): validation refuses any other, which the recipe would only ignore.
+HYPERPARAMETERS = ("model", "data", "steps", "micro_batch_size", "seq_len", "lr", "min_lr_ratio",
+                   "warmup_steps", "weight_decay", "max_grad_norm", "log_interval",
+                   "checkpoint_interval", "keep_last", "seed", "attention",
+                   "activation_checkpointing")
 TOKENS_FILE, META_FILE = "tokens.bin", "tokens.json"  # a token channel (dtrain.runtime.train.data)
 BINARY_PROBE_BYTES = 8000  # as git: a NUL byte in a file's first 8000 bytes makes it binary
 MAX_FILES_PROBED = 10_000
@@ -69,6 +76,31 @@ def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str, model_known:
                         f"positions of model {model!r}; lower seq_len to at most {positions} or "
                         "use a model with more positions")
     return problems
+
+
+def unread_hyperparameters(hps: Mapping[str, Any], *,
+                           recipe: str) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of the keys the recipe does not read: a key only the planner reads
+    (``num_parameters``, ``hidden_size``, ...: the plan sizes a model with it, the recipe trains
+    its ``model``) is a note; any other is a problem (a misspelt ``stesp`` would train the
+    default 100 steps), with the name it may have meant."""
+    planner = {"num_parameters", *(n for names in presets.SHAPE_HYPERPARAMETERS.values()
+                                   for n in names)}
+    problems, notes = [], []
+    model = hps.get("model") or DEFAULT_MODELS.get(recipe)
+    for key in hps:
+        if key in HYPERPARAMETERS:
+            continue
+        if key in planner:
+            notes.append(f"hyperparameters.{key}: recipe:{recipe} does not read it (it trains "
+                         f"model {model!r}); only dtrain plan's estimates use it")
+            continue
+        close = difflib.get_close_matches(str(key), HYPERPARAMETERS, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}?" if close else \
+            f"it reads {', '.join(HYPERPARAMETERS)}"
+        problems.append(f"hyperparameters.{key}: not a hyperparameter of recipe:{recipe}, "
+                        f"which would ignore it; {hint}")
+    return problems, notes
 
 
 def _parses_as(value: Any, kind: type) -> bool:

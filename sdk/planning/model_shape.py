@@ -13,16 +13,7 @@ from dtrain.core import presets
 from dtrain.core.errors import SpecError
 from dtrain.core.tensor_parallel import ModelDims
 
-# hyperparameter names the planner reads the model's shape from (first one present wins)
-_SHAPE_KEYS = {
-    "hidden_size": ("hidden_size", "d_model", "n_embd"),
-    "num_layers": ("num_layers", "num_hidden_layers", "n_layer"),
-    "vocab_size": ("vocab_size",),
-    "seq_len": ("seq_len", "sequence_length", "max_seq_length", "max_context_width"),
-    "micro_batch_size": ("micro_batch_size", "train_batch_size", "batch_size"),
-    "num_heads": ("num_attention_heads", "n_head", "num_heads"),
-    "intermediate_size": ("intermediate_size", "n_inner"),
-}
+_SHAPE_KEYS = presets.SHAPE_HYPERPARAMETERS
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_MICRO_BATCH = 1
 

@@ -490,6 +490,27 @@ def test_a_recipe_refuses_numbers_it_cannot_parse_as_its_parser_would():
     assert "weight_decay" not in msg  # "1e-2" is what --weight_decay 1e-2 parses
 
 
+def test_a_recipe_refuses_a_hyperparameter_it_would_ignore_and_notes_the_planner_s():
+    # stesp: 10 validated and the recipe trained its default 100 steps, logging a warning
+    msg = problems({**RECIPE, "hyperparameters": {"stesp": 10, "learning_rate": 1e-3}})
+    assert ("hyperparameters.stesp: not a hyperparameter of recipe:causal_lm, which would "
+            "ignore it; did you mean 'steps'?") in msg
+    assert "hyperparameters.learning_rate: not a hyperparameter" in msg
+    # a size only the planner reads is fine, but said: the recipe trains its model regardless
+    with pytest.warns(SpecWarning, match=r"hyperparameters.num_layers: recipe:causal_lm does not "
+                                         r"read it \(it trains model 'gpt-neox-tiny'\)"):
+        JobSpec.from_dict({**RECIPE, "hyperparameters": {"num_layers": 4}})
+
+
+def test_the_recipe_hyperparameters_validation_knows_are_what_the_recipes_parse():
+    from dtrain.core import recipe_inputs
+    from dtrain.runtime.recipes.common import build_parser
+
+    parser = build_parser("recipe", "", recipe="causal_lm", lr=1e-3)
+    parsed = {action.dest for action in parser._actions if action.dest != "help"}
+    assert parsed == set(recipe_inputs.HYPERPARAMETERS)
+
+
 def test_a_recipe_refuses_data_that_names_none_of_the_jobs_channels(tmp_path):
     inputs = {"train": str(tmp_path)}
     msg = problems({**RECIPE, "inputs": inputs, "hyperparameters": {"data": "trian"}})

@@ -129,6 +129,10 @@ def recipe_hyperparameters(spec, ctx: Findings) -> None:
     """What a recipe needs of the hyperparameters the spec gives (the rest: the node agent)."""
     if spec.entry_point.startswith(contract.RECIPE_PREFIX):
         recipe = spec.entry_point[len(contract.RECIPE_PREFIX):]
+        problems, notes = recipe_inputs.unread_hyperparameters(spec.hyperparameters,
+                                                               recipe=recipe)
+        ctx.problems += problems
+        ctx.notes += notes
         ctx.problems += recipe_inputs.hyperparameter_problems(spec.hyperparameters, recipe=recipe,
                                                               model_known=False,
                                                               channels=spec.inputs.keys())
