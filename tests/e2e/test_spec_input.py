@@ -16,7 +16,8 @@ dtrain = partial(_cli.dtrain, check=False, timeout=60)
 
 def test_numbers_written_as_numbers_arrive_as_numbers(tmp_path):
     spec = tmp_path / "job.yaml"
-    spec.write_text("entry_point: recipe:causal_lm\n"
+    (tmp_path / "train.py").write_text("")  # a script's hyperparameters are its own
+    spec.write_text("entry_point: train.py\n"
                     "hyperparameters: {lr: 1e-3, wd: 5E+2, tag: '1e-3', steps: 10}\n")
     out = json.loads(dtrain("validate", str(spec), "-o", "json").stdout)
     assert out["hyperparameters"] == {"lr": 0.001, "wd": 500.0, "tag": "1e-3", "steps": 10}
