@@ -22,14 +22,20 @@ def path() -> None:
 
 
 @store_group.command("repair")
-def repair() -> None:
+@click.option("--force", is_flag=True, help="Rebuild even a store that reads whole (its backup "
+              "may bring back jobs removed since the backup was taken).")
+def repair(force: bool) -> None:
     """Rebuild a damaged store from every job that can still be read, in it or its backup.
 
     The damaged file is moved aside (jobs.db.damaged-<time>), never deleted; jobs whose record
-    cannot be read are named."""
+    cannot be read are named. A store that reads whole is left as it is."""
     from dtrain.jobs.repair import repair as run_repair
 
-    report = run_repair()
+    report = run_repair(force=force)
+    if report.healthy:
+        click.echo(f"the store at {report.path} reads whole ({report.kept} job(s)): nothing to "
+                   "repair (--force rebuilds it anyway)")
+        return
     click.echo(f"kept {report.kept} job(s) ({report.from_backup} from the backup) in "
                f"{report.path}")
     if report.unreadable:

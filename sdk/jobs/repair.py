@@ -21,6 +21,7 @@ class Repair:
     from_backup: int = 0
     unreadable: list[str] = field(default_factory=list)  # ids of rows whose JSON was damaged
     moved_aside: str | None = None
+    healthy: bool = False  # nothing to repair: the store was left as it was
 
 
 def readable_rows(path: str) -> list[tuple]:
@@ -56,9 +57,33 @@ def _readable_json(row: tuple) -> bool:
     return True
 
 
-def repair(path: str | None = None) -> Repair:
+def whole_store_jobs(path: str) -> int | None:
+    """How many jobs the store at ``path`` holds when it is whole (sqlite's integrity check
+    passes and every record reads); None when it is damaged or missing."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            if conn.execute("PRAGMA integrity_check").fetchone() != ("ok",):
+                return None
+            rows = conn.execute(f"SELECT {','.join(job_store.COLUMNS)} FROM jobs").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+    return len(rows) if all(_readable_json(row) for row in rows) else None
+
+
+def repair(path: str | None = None, *, force: bool = False) -> Repair:
+    """Rebuild the store at ``path`` (module doc); a whole store is left as it is unless
+    ``force`` (its backup would bring back jobs removed since it was taken)."""
     path = os.path.abspath(path or default_db_path())
     report = Repair(path=path)
+    whole = None if force else whole_store_jobs(path)
+    if whole is not None:
+        report.kept, report.healthy = whole, True
+        return report
     rows: dict[str, tuple] = {row[0]: row for row in readable_rows(path)}
     for row in readable_rows(path + ".bak"):
         if row[0] not in rows:

@@ -114,3 +114,15 @@ def test_repair_from_a_backup_taken_at_submit_finds_the_jobs_folder_and_its_end(
     shown = dtrain("status", job.id)
     assert shown.returncode == 0, shown.stderr
     assert JobStore().get(job.id).status == "Completed", shown.stdout
+
+
+def test_repair_leaves_a_whole_store_as_it_is(dtrain_home):
+    # it moved a healthy store aside "as damaged" and rebuilt it
+    stored_jobs(2)
+    result = dtrain("store", "repair")
+    assert result.returncode == 0
+    assert "reads whole (2 job(s)): nothing to repair" in result.stdout
+    assert len(JobStore().list()) == 2
+    assert not [name for name in os.listdir(dtrain_home) if ".damaged-" in name]
+    forced = dtrain("store", "repair", "--force")
+    assert "kept 2 job(s)" in forced.stdout and "the damaged file is at" in forced.stdout
