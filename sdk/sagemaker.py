@@ -18,6 +18,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -179,6 +180,11 @@ class PyTorch:
         spec = self.to_spec(inputs)  # its notes (SMP keys dtrain ignores) reach the user
         job = jobs.identity(spec, self._launcher_obj())
         if job_name:  # the SDK uses a given name as it is, without a timestamp
+            if not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", job_name):
+                raise DtrainError(
+                    f"fit(job_name={job_name!r}): SageMaker training job names are 1-63 letters, "
+                    f"digits and hyphens, starting and ending with a letter or digit; e.g. "
+                    f"{names.sanitize(job_name, max_length=names.MAX_TARGET_LENGTH)!r}")
             job = dataclasses.replace(job, name=job_name)
         # build_request is pure: this is exactly what submit sends for the same identity
         self.latest_request = jobs.build_request(spec, clients=self.clients, job=job).payload
@@ -211,7 +217,11 @@ class PyTorch:
                     if r.name == training_job_name]  # newest first
         launcher = jobs.launcher_for("sagemaker", clients)
         region = recorded[0].target_data.get("region") if recorded else None
-        job = launcher.describe(training_job_name, region=region)
+        job = launcher.describe(training_job_name, region=region, missing_ok=True)
+        if job is None:
+            raise DtrainError(f"PyTorch.attach({training_job_name!r}): SageMaker has no training "
+                              "job of that name in this region; check the name (dtrain list "
+                              "--target sagemaker) and the region")
         hps = job.get("HyperParameters", {})
         program = hps.get("sagemaker_program", '"train.py"').strip('"')
         resources = job["ResourceConfig"]

@@ -503,6 +503,11 @@ def test_estimator_fit_goes_through_the_job_store_with_the_name_it_is_given(moto
     assert (record.name, record.status) == ("exactly-this-name", "Completed")
     assert estimator.model_data == record.target_data["model_data"]
     assert "exactly-this-name: Completed" in capsys.readouterr().err
+    # a name SageMaker would refuse is refused before anything is uploaded
+    with pytest.raises(DtrainError, match=r"fit\(job_name='bad_name!'\): SageMaker training "
+                                          r"job names are .*; e.g. 'bad-name'"):
+        estimator.fit(f"s3://{BUCKET}/data/train", job_name="bad_name!")
+    assert len(JobStore().list()) == 1
 
 
 def test_estimator_attach_to_a_job_dtrain_submitted_uses_its_record(submitted):
@@ -539,6 +544,10 @@ def test_estimator_attach_by_name_to_a_job_started_elsewhere(submitted, capsys):
     # a training job dtrain has no record of, as if the SageMaker SDK had started it
     aws.sagemaker.create_training_job(**{**facts["sent"], "TrainingJobName": "from-elsewhere"})
     attached = PyTorch.attach("from-elsewhere", clients=facts["clients"])
+    # a name SageMaker does not have: said so (it suggested 'fix the setting named above')
+    with pytest.raises(DtrainError, match=r"PyTorch.attach\('no-such-job'\): SageMaker has no "
+                                          r"training job of that name"):
+        PyTorch.attach("no-such-job", clients=facts["clients"])
     assert (attached.instance_type, attached.instance_count) == ("ml.p4d.24xlarge", 2)
     assert attached.model_data.endswith("from-elsewhere/output/model.tar.gz")
     attached.wait(logs=True)  # moto completed it
