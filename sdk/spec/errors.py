@@ -19,6 +19,8 @@ _FIX = {
     "bool_type": "give true or false",
     "string_type": "give a string (quote it in YAML)",
     "dict_type": "give a mapping of key: value",
+    "model_type": "give a section of fields (key: value; with --set, set one field: "
+                  "section.field=value)",
     "list_type": "give a list",
 }
 

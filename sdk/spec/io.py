@@ -80,6 +80,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
         if not sep or not key.strip():
             raise SpecError(f"--set {item!r}: expected key.path=value, e.g. compute.instance_count=2")
         parts = key.strip().split(".")
+        if not all(part.strip() for part in parts):
+            raise SpecError(f"--set {item!r}: {key.strip()!r} has an empty name between its dots; "
+                            "expected key.path=value, e.g. compute.instance_count=2")
         node = result
         for depth, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})

@@ -594,3 +594,13 @@ def test_set_keeps_a_text_field_s_value_as_typed():
     ported = JobSpec.from_file(ROOT / "examples" / "sagemaker-p4d.yaml",
                                overrides=["sagemaker.framework_version=2.10"])
     assert ported.sagemaker.framework_version == "2.10"
+
+
+def test_set_with_an_empty_name_or_a_value_for_a_section_names_the_fix():
+    example = ROOT / "examples" / "local-cpu.yaml"
+    with pytest.raises(SpecError, match=r"--set '.compute=2': '.compute' has an empty name "
+                                        r"between its dots; expected key.path=value"):
+        JobSpec.from_file(example, overrides=[".compute=2"])
+    with pytest.raises(SpecError, match=r"^compute: .* \(got 3\); give a section of fields .*"
+                                        r"with --set, set one field: section.field=value\)"):
+        JobSpec.from_file(example, overrides=["compute=3"])
