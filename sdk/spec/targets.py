@@ -151,5 +151,5 @@ class SlurmOptions(_Model):
     extra_sbatch: list[str] = Field(
         default_factory=list, description="More `#SBATCH` options, e.g. `--constraint=p4d` or "
         "`--mail-type=END`; not those dtrain sets from the spec (nodes, tasks, time, GPUs, "
-        "partition, account, qos, job name, output).",
+        "partition, account, qos, job name, output; memory on exclusive nodes).",
     )

@@ -93,6 +93,8 @@ def test_cpu_nodes_are_local_but_not_local_gpu():
     ("--array=1-4", "asks for a job array; dtrain submits one job per spec"),
     ("--a\n--b", "spans lines; give one option per item"),
     ("constraint=p4d", "is not an sbatch option; give e.g. '--constraint=p4d'"),
+    ("--gres=gpu:4", "asks for GPUs, which dtrain sets from slurm.gpus_per_node"),
+    ("--mem=10G", "asks for memory, but slurm.exclusive gives the job each node's memory"),
 ])
 def test_extra_sbatch_lines_may_not_take_what_the_spec_sets(line, fix):
     assert problem(slurm_spec({"extra_sbatch": [line]})).startswith(
@@ -102,6 +104,10 @@ def test_extra_sbatch_lines_may_not_take_what_the_spec_sets(line, fix):
 def test_extra_sbatch_lines_dtrain_does_not_set_are_kept():
     spec = JobSpec.from_dict(slurm_spec({"extra_sbatch": ["--constraint=p4d", "--mail-type=END"]}))
     assert spec.slurm.extra_sbatch == ["--constraint=p4d", "--mail-type=END"]
+    # memory on shared nodes, and a gres that is not a GPU, are the user's to ask for
+    shared = JobSpec.from_dict(slurm_spec({"exclusive": False,
+                                           "extra_sbatch": ["--mem=10G", "--gres=nvme:1"]}))
+    assert shared.slurm.extra_sbatch == ["--mem=10G", "--gres=nvme:1"]
 
 
 def test_names_mounts_spot_and_old_images_are_checked():

@@ -88,7 +88,7 @@ def sbatch_options(spec, ctx: Findings) -> None:
             ctx.problems.append(f"slurm.{field}: {value!r} is not a Slurm name; use letters, "
                                 "digits, '_', '-', '.' (commas between several)")
     for line in slurm.extra_sbatch:
-        problem = _extra_option_problem(line)
+        problem = _extra_option_problem(line, exclusive=slurm.exclusive)
         if problem:
             ctx.problems.append(f"slurm.extra_sbatch: {line!r} {problem}")
     for mount in slurm.container_mounts:
@@ -100,7 +100,7 @@ def sbatch_options(spec, ctx: Findings) -> None:
                             "the image or remove the mounts")
 
 
-def _extra_option_problem(line: str) -> str | None:
+def _extra_option_problem(line: str, *, exclusive: bool) -> str | None:
     if "\n" in line:
         return "spans lines; give one option per item"
     if line.lstrip().startswith("#"):
@@ -111,6 +111,12 @@ def _extra_option_problem(line: str) -> str | None:
     name = match.group(1)
     if name in ("--array", "-a"):
         return "asks for a job array; dtrain submits one job per spec"
+    value = line.strip()[len(name):].lstrip("= ")
+    if name == "--gres" and any(item.startswith("gpu") for item in value.split(",")):
+        return "asks for GPUs, which dtrain sets from slurm.gpus_per_node; set that instead"
+    if exclusive and name in ("--mem", "--mem-per-cpu", "--mem-per-gpu"):
+        return ("asks for memory, but slurm.exclusive gives the job each node's memory "
+                "(--mem=0); drop it, or set slurm.exclusive false")
     field = next((f for f, names in SET_BY_DTRAIN.items() if name in names), None)
     if field is None:
         return None
