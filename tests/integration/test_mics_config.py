@@ -40,6 +40,9 @@ def test_distribution_env_fills_missing_keys_with_defaults():
         ({"mixed_precision": "fp8"}, "mixed_precision"),
         # a typo in a script's dict; before, a warning and the default
         ({"shardin_degree": 2}, "'shardin_degree' \\(did you mean 'sharding_degree'\\?\\)"),
+        # a name cut short means the degree, not the closest spelling (tensor_parallel_mode)
+        ({"tensor_parallel": 2},
+         "'tensor_parallel' \\(did you mean 'tensor_parallel_degree'\\?\\)"),
     ],
 )
 def test_bad_distribution_settings_name_the_field(bad, field):

@@ -90,7 +90,7 @@ class DistributionConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown and strict:
-            close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+            close = {k: _meant(k, known) for k in unknown}
             raise ValueError("unknown distribution settings: " + ", ".join(
                 f"{k!r}" + (f" (did you mean {close[k][0]!r}?)" if close[k] else "")
                 for k in unknown))
@@ -126,6 +126,15 @@ class DistributionConfig:
         raise ValueError(
             f"distribution must be a dict or DistributionConfig, got {type(distribution).__name__}"
         )
+
+
+def _meant(key: str, known: set[str]) -> list[str]:
+    """The setting ``key`` may have meant: one it begins (``tensor_parallel`` is most likely
+    ``tensor_parallel_degree``), else the closest spelling."""
+    begun = sorted(k for k in known if k.startswith(key))
+    if begun:
+        return sorted(begun, key=lambda k: not k.endswith("_degree"))[:1]
+    return difflib.get_close_matches(key, known, n=1)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
