@@ -72,3 +72,12 @@ def test_ssh_open_to_the_world_is_refused_unless_allowed():
                                               **profile}})
     assert JobSpec.from_dict({**base, "ec2": {"ssh_cidr": "203.0.113.0/24", **profile}})
 
+
+
+def test_a_node_without_a_region_is_told_to_set_one(monkeypatch):
+    for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    with pytest.raises(ValueError, match=r"\(NoRegionError: .*\); the node has no AWS region: "
+                                         r"set AWS_REGION in the job's environment"):
+        resolve_references({"HF_TOKEN": "secretsmanager:prod/hf"})

@@ -9,6 +9,13 @@ from collections.abc import MutableMapping
 
 from dtrain.core import secrets
 
+# What to do about the errors that are not the secret's name or permission.
+_FIXES = {
+    "NoRegionError": "the node has no AWS region: set AWS_REGION in the job's environment",
+    "NoCredentialsError": "the node has no AWS credentials: give it an instance role (EC2, "
+                          "SageMaker) or a profile (Slurm nodes, local)",
+}
+
 
 def resolve_references(environ: MutableMapping[str, str] = os.environ) -> list[str]:
     """Replace every reference value in ``environ`` by the secret; returns the names resolved.
@@ -23,9 +30,10 @@ def resolve_references(environ: MutableMapping[str, str] = os.environ) -> list[s
         try:
             environ[name] = _fetch(service, where)
         except Exception as exc:  # noqa: BLE001 - boto3's errors, named to the user
+            fix = _FIXES.get(type(exc).__name__, "check the name and the node's permission to "
+                                                 "read it")
             raise ValueError(f"environment {name}: cannot read {service} secret {where!r} "
-                             f"({type(exc).__name__}: {exc}); check the name and the node's "
-                             "permission to read it") from None
+                             f"({type(exc).__name__}: {exc}); {fix}") from None
         resolved.append(name)
     return resolved
 
