@@ -35,6 +35,10 @@ def duration(seconds: float) -> str:
     return f"{seconds:g} s"
 
 
+# distribution.backend as the plan shows it beside the backend it resolves to
+_BACKEND_SETTING = {"auto": "auto", "nccl": "as set: stock collectives only", "gloo": "as set"}
+
+
 def render_plan(plan: Plan) -> str:
     spec = plan.spec
     p = plan.parallelism
@@ -50,8 +54,8 @@ def render_plan(plan: Plan) -> str:
         ["partition group in one node", within],
         *([["tensor parallel", f"{p.tensor_parallel_layout} ({plan.tensor_parallel_reason})"]]
           if p else []),
-        ["backend", (f"{plan.backend} (hierarchical all-gather: "
-                     f"{'on' if plan.hierarchical_allgather else 'off'})")],
+        ["backend", (f"{plan.backend} ({_BACKEND_SETTING[spec.distribution.backend]}; "
+                     f"hierarchical all-gather: {'on' if plan.hierarchical_allgather else 'off'})")],
         ["mixed precision", plan.mixed_precision],
         ["grad accumulation", str(spec.distribution.gradient_accumulation_steps)],
     ]
