@@ -292,9 +292,20 @@ def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
         click.echo(line)
         printed += 1
     if not printed:
+        import os
+
+        from dtrain.core.errors import DtrainError
+
+        record = jobs.get(job)
+        folder = record.log_location
+        if record.is_final and folder and "://" not in folder and not os.path.exists(folder):
+            raise DtrainError(f"job {job} ended {record.status}, and its folder {folder}, which "
+                              "held its logs, no longer exists")
         which = " and ".join(filter(None, [host and f"host {host}",
                                            rank is not None and f"rank {rank}"]))
-        click.echo(f"no log lines{' for ' + which if which else ''} (yet) in job {job}", err=True)
+        when = f"(it ended {record.status})" if record.is_final else "(yet)"
+        click.echo(f"no log lines{' for ' + which if which else ''} {when} in job {job}",
+                   err=True)
 
 
 @click.command()

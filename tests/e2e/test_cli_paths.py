@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,7 +118,13 @@ def test_log_filters_outside_the_job_are_input_errors_and_an_empty_log_says_so(t
         os.truncate(os.path.join(record.target_data["job_dir"], host, "output", "agent.log"), 0)
     empty = dtrain("logs", job)
     assert empty.returncode == 0 and empty.stdout == ""
-    assert empty.stderr == f"no log lines (yet) in job {job}\n"
+    assert empty.stderr == f"no log lines (it ended Completed) in job {job}\n"
+    shutil.rmtree(record.target_data["job_dir"])  # the folder itself gone: said, and exit 1
+    gone = dtrain("logs", job)
+    assert gone.returncode == 1
+    assert gone.stderr == (f"error: job {job} ended Completed, and its folder "
+                           f"{record.target_data['job_dir']}, which held its logs, no longer "
+                           "exists\n")
 
 
 def test_debug_is_accepted_after_the_subcommand(tmp_path):
