@@ -122,7 +122,10 @@ class PyTorch:
                 f"PyTorch(instance_type={self.instance_type!r}): this class runs SageMaker "
                 "training jobs; to run the same script on this machine use "
                 f"dtrain.Estimator(entry_point=..., instance_type={self.instance_type!r}, ...) "
-                "with the same arguments, or `dtrain submit job.yaml --target local`")
+                "with the arguments the two share (source_dir, hyperparameters, distribution, "
+                "instance_count, environment; the SageMaker ones such as framework_version, "
+                "image_uri and subnets go in sagemaker={...}), or `dtrain submit job.yaml "
+                "--target local`")
         sm = {"role": self.role, "image_uri": self.image_uri, "subnets": self.subnets or [],
               "security_group_ids": self.security_group_ids or [],
               "enable_network_isolation": self.enable_network_isolation,
@@ -180,7 +183,7 @@ class PyTorch:
         spec = self.to_spec(inputs)  # its notes (SMP keys dtrain ignores) reach the user
         job = jobs.identity(spec, self._launcher_obj())
         if job_name:  # the SDK uses a given name as it is, without a timestamp
-            if not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", job_name):
+            if len(job_name) > 63 or not re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9])*", job_name):
                 raise DtrainError(
                     f"fit(job_name={job_name!r}): SageMaker training job names are 1-63 letters, "
                     f"digits and hyphens, starting and ending with a letter or digit; e.g. "

@@ -41,7 +41,7 @@ _GRACE_PERIOD = (
 _STAMP_OUTPUT = (
     "# Its own output's lines are time-stamped, as the agents' are, for `dtrain logs`; the",
     "# stamping outlives scancel's SIGTERM (srun must not lose its output while it stops).",
-    "stamp() { trap '' TERM; while IFS= read -r line; do echo \"@$(date +%s.%N) $line\"; done; }",
+    "stamp() { trap '' TERM; while IFS= read -r line || [ -n \"$line\" ]; do echo \"@$(date +%s.%N) $line\"; done; }",
 )
 
 

@@ -155,8 +155,6 @@ def get_preset(name: str) -> dict[str, Any]:
         ) from None
 
 
-# Whether a family's output layer shares the token embedding when its config.json does not say
-# (Hugging Face's defaults: GPT-NeoX and GPT-J configs default to untied, the others to tied).
 # Hyperparameter names the planner reads a model's shape from (first one present wins), beside
 # ``model`` (a preset or Hugging Face folder) and ``num_parameters``.
 SHAPE_HYPERPARAMETERS = {
@@ -169,6 +167,8 @@ SHAPE_HYPERPARAMETERS = {
     "intermediate_size": ("intermediate_size", "n_inner"),
 }
 
+# Whether a family's output layer shares the token embedding when its config.json does not say
+# (Hugging Face's defaults: GPT-NeoX and GPT-J configs default to untied, the others to tied).
 _TIED_BY_DEFAULT = {"gpt_neox": False, "gptj": False}
 
 

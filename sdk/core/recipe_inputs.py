@@ -84,8 +84,10 @@ def unread_hyperparameters(hps: Mapping[str, Any], *,
     (``num_parameters``, ``hidden_size``, ...: the plan sizes a model with it, the recipe trains
     its ``model``) is a note; any other is a problem (a misspelt ``stesp`` would train the
     default 100 steps), with the name it may have meant."""
-    planner = {"num_parameters", *(n for names in presets.SHAPE_HYPERPARAMETERS.values()
-                                   for n in names)}
+    # the sizes of a model the recipe does not build (its batch and length it reads itself,
+    # under their own names: an alias of those is a misspelling here)
+    planner = {"num_parameters", *(n for key, names in presets.SHAPE_HYPERPARAMETERS.items()
+                                   if key not in ("seq_len", "micro_batch_size") for n in names)}
     problems, notes = [], []
     model = hps.get("model") or DEFAULT_MODELS.get(recipe)
     for key in hps:
@@ -95,7 +97,10 @@ def unread_hyperparameters(hps: Mapping[str, Any], *,
             notes.append(f"hyperparameters.{key}: recipe:{recipe} does not read it (it trains "
                          f"model {model!r}); only dtrain plan's estimates use it")
             continue
-        close = difflib.get_close_matches(str(key), HYPERPARAMETERS, n=1, cutoff=0.6)
+        alias = next((name for name, names in presets.SHAPE_HYPERPARAMETERS.items()
+                      if key in names and name in HYPERPARAMETERS), None)
+        close = [alias] if alias else difflib.get_close_matches(str(key), HYPERPARAMETERS, n=1,
+                                                                cutoff=0.6)
         hint = f"did you mean {close[0]!r}?" if close else \
             f"it reads {', '.join(HYPERPARAMETERS)}"
         problems.append(f"hyperparameters.{key}: not a hyperparameter of recipe:{recipe}, "

@@ -101,12 +101,13 @@ def _model_config(name: str) -> dict[str, Any]:
         except (ValueError, OSError) as exc:
             raise SpecError(f"hyperparameters.model: {config} is not a readable JSON model "
                             f"config ({exc}); fix it, or name a preset") from None
-    if folder.is_dir():
-        raise SpecError(f"hyperparameters.model: the folder {name} has no config.json; give a "
-                        "Hugging Face model folder (config.json and weights) or a preset name")
     try:
         return presets.get_preset(name)
     except ValueError as exc:
+        if folder.is_dir():  # not a preset: the folder was meant
+            raise SpecError(f"hyperparameters.model: the folder {name} has no config.json; "
+                            "give a Hugging Face model folder (config.json and weights) or a "
+                            "preset name") from None
         where = "" if folder.is_absolute() else f" (a relative folder is read from {Path.cwd()})"
         raise SpecError(f"hyperparameters.model: {exc}; or give a Hugging Face model "
                         f"folder{where}") from None

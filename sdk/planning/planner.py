@@ -205,7 +205,7 @@ def _memory_fixes(parallelism: ParallelismPlan, dist: Any) -> str:
     if dist.tensor_parallel_degree != "auto" and parallelism.tp < parallelism.devices_per_node:
         fixes.append("raise tensor_parallel_degree" if parallelism.tp > 1
                      else "set tensor_parallel_degree (or auto)")
-    if parallelism.pp > 1 or dist.pipeline_parallel_degree != "auto":
+    if dist.pipeline_parallel_degree != "auto" and parallelism.dp_degree > 1:  # ranks to spare
         fixes.append("raise pipeline_parallel_degree" if parallelism.pp > 1
                      else "set pipeline_parallel_degree (or auto)")
     if not dist.activation_checkpointing:

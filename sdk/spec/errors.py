@@ -30,10 +30,11 @@ def explain(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     unions: dict[tuple, list[dict[str, Any]]] = {}
     for error in exc.errors(include_url=False):
         loc = tuple(error["loc"])
-        if _union_member(root, loc):  # pydantic tags each type's error (…sharding_degree.int)
-            if loc[:-1] not in unions:
-                problems.append(loc[:-1])  # its place, filled in below
-            unions.setdefault(loc[:-1], []).append(error)
+        field = _union_field(root, loc)
+        if field:  # pydantic tags each type's error (…sharding_degree.int, …partition.list[int].1)
+            if field not in unions:
+                problems.append(field)  # its place, filled in below
+            unions.setdefault(field, []).append(error)
             continue
         path = ".".join(str(p) for p in loc)
         kind = error["type"]
@@ -52,28 +53,31 @@ def explain(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     return lines or [str(exc)]
 
 
-def _union_member(root: type[BaseModel], loc: tuple) -> bool:
-    """Whether ``loc`` ends in the tag pydantic gives one type of a field that takes several
-    (``int | Literal["auto"]``): its other parts walk model fields to such a field."""
+def _union_field(root: type[BaseModel], loc: tuple) -> tuple | None:
+    """The place of a field that takes several types (``int | Literal["auto"]``) when ``loc``
+    goes through it to the tag pydantic gives one of its types; None otherwise."""
     model: Any = root
-    annotation = None
-    for part in loc[:-1]:
+    for depth, part in enumerate(loc):
         if model is None or str(part) not in model.model_fields:
-            return False
+            return None
         annotation = model.model_fields[str(part)].annotation
         model = _model_in(annotation)
-    options = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-    return (typing.get_origin(annotation) in (typing.Union, types.UnionType)
-            and len(options) > 1 and model is None)
+        options = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+                and len(options) > 1 and model is None):
+            return loc[:depth + 1] if len(loc) > depth + 1 else None
+    return None
 
 
 def _one_of(loc: tuple, errors: list[dict[str, Any]]) -> str:
     """One line for a field of several types that matched none: what each would take."""
     wanted: list[str] = []
     for error in errors:
-        kind, ctx, tag = error["type"], error.get("ctx") or {}, str(error["loc"][-1])
+        kind, ctx, tag = error["type"], error.get("ctx") or {}, str(error["loc"][len(loc)])
         number = "a whole number" if "int" in tag else "a number"
-        if kind == "literal_error":
+        if len(error["loc"]) > len(loc) + 1:  # inside one type: a list's item
+            wanted.append("a list of whole numbers" if tag == "list[int]" else tag)
+        elif kind == "literal_error":
             wanted += str(ctx.get("expected", "")).split(" or ")
         elif kind in ("greater_than_equal", "less_than_equal"):
             wanted.append(f"{number} {'≥' if kind == 'greater_than_equal' else '≤'} "
@@ -86,7 +90,8 @@ def _one_of(loc: tuple, errors: list[dict[str, Any]]) -> str:
             wanted.append(_FIX.get(kind, error["msg"].lower()).removeprefix("give "))
     wanted = list(dict.fromkeys(w for w in wanted if w))
     choices = ", ".join(wanted[:-1]) + (" or " if len(wanted) > 1 else "") + wanted[-1]
-    return f"{'.'.join(map(str, loc))}: got {_short(errors[0].get('input'))}; give {choices}"
+    given = min(errors, key=lambda error: len(error["loc"])).get("input")  # the whole value
+    return f"{'.'.join(map(str, loc))}: got {_short(given)}; give {choices}"
 
 
 def _generic(path: str, error: dict[str, Any]) -> str:

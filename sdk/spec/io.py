@@ -90,7 +90,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
                 prefix = ".".join(parts[: depth + 1])
                 raise SpecError(f"--set {item!r}: {prefix} is a value, not a section")
             node = child
-        node[parts[-1]] = raw if text_at(parts) and not _quoted_or_null(raw) \
+        node[parts[-1]] = raw.strip() if text_at(parts) and not _quoted_or_null(raw) \
             else parse_value(raw)
     return result
 

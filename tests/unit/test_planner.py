@@ -230,7 +230,8 @@ def test_a_script_s_size_below_one_is_left_out_of_the_estimates_with_a_note(tmp_
         " ".join(result.notes)
 
 
-def test_a_model_folder_without_a_readable_config_is_named_not_a_traceback(tmp_path):
+def test_a_model_folder_without_a_readable_config_is_named_not_a_traceback(tmp_path,
+                                                                             monkeypatch):
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{")
@@ -242,3 +243,7 @@ def test_a_model_folder_without_a_readable_config_is_named_not_a_traceback(tmp_p
     with pytest.raises(SpecError, match=r"unknown model preset 'nope'.*; or give a Hugging Face "
                                         r"model folder \(a relative folder is read from "):
         plan(script_job(tmp_path, model="nope"))
+    # a folder that happens to bear a preset's name does not hide the preset
+    (tmp_path / "gpt-neox-tiny").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert plan(script_job(tmp_path, model="gpt-neox-tiny")).model.source == "gpt-neox-tiny"

@@ -74,6 +74,17 @@ def test_ssh_open_to_the_world_is_refused_unless_allowed():
 
 
 
+def test_aws_region_alone_is_the_node_s_region(monkeypatch):
+    # botocore reads AWS_DEFAULT_REGION only; AWS_REGION alone failed with NoRegionError
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    with mock_aws():
+        boto3.client("ssm", region_name="eu-west-1").put_parameter(
+            Name="/ml/token", Value="t-1", Type="SecureString")
+        env = {"TOKEN": "ssm:/ml/token"}
+        assert resolve_references(env) == ["TOKEN"] and env["TOKEN"] == "t-1"
+
+
 def test_a_node_without_a_region_is_told_to_set_one(monkeypatch):
     for name in ("AWS_REGION", "AWS_DEFAULT_REGION"):
         monkeypatch.delenv(name, raising=False)

@@ -23,6 +23,13 @@ def stamped_by_the_batch_script(lines: list[str]) -> list[str]:
     return out
 
 
+def test_the_stamp_keeps_a_last_line_without_its_newline():
+    [stamp] = [line for line in script._STAMP_OUTPUT if line.startswith("stamp()")]
+    out = subprocess.run(["bash", "-c", f"{stamp}\nstamp"], input="a\ncut short",
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert [logformat.unstamp(line)[1] for line in out] == ["a", "cut short"]
+
+
 def test_the_batch_output_merges_with_the_agents_in_the_order_it_was_written(tmp_path):
     job_dir = str(tmp_path)
     (tmp_path / layout.HOSTS_FILE).write_text("n1\nn2\n")

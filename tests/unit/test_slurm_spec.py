@@ -93,7 +93,9 @@ def test_cpu_nodes_are_local_but_not_local_gpu():
     ("--array=1-4", "asks for a job array; dtrain submits one job per spec"),
     ("--a\n--b", "spans lines; give one option per item"),
     ("constraint=p4d", "is not an sbatch option; give e.g. '--constraint=p4d'"),
-    ("--gres=gpu:4", "asks for GPUs, which dtrain sets from slurm.gpus_per_node"),
+    ("--gres=gpu:4", "asks for GPUs, which dtrain asks for from slurm.gpus_per_node"),
+    ("--tres-per-node=gres/gpu:8", "asks for GPUs, which dtrain asks for"),
+    ("--gpus-per-task=1", "asks for GPUs, which dtrain asks for"),
     ("--mem=10G", "asks for memory, but slurm.exclusive gives the job each node's memory"),
 ])
 def test_extra_sbatch_lines_may_not_take_what_the_spec_sets(line, fix):
@@ -108,6 +110,10 @@ def test_extra_sbatch_lines_dtrain_does_not_set_are_kept():
     shared = JobSpec.from_dict(slurm_spec({"exclusive": False,
                                            "extra_sbatch": ["--mem=10G", "--gres=nvme:1"]}))
     assert shared.slurm.extra_sbatch == ["--mem=10G", "--gres=nvme:1"]
+    # with gpus_per_node 0 dtrain asks for none: a typed GPU request is the user's
+    typed = JobSpec.from_dict(slurm_spec({"gpus_per_node": 0,
+                                          "extra_sbatch": ["--gres=gpu:a100:8"]}))
+    assert typed.slurm.extra_sbatch == ["--gres=gpu:a100:8"]
 
 
 def test_names_mounts_spot_and_old_images_are_checked():

@@ -48,6 +48,8 @@ def test_unknown_field_suggests_the_closest_valid_name():
      "distribution.sharding_degree: got 'FULL'; give a whole number, 'auto' or 'full'"),
     ("microbatches", 0, "distribution.microbatches: got 0; give a whole number ≥ 1 or 'auto'"),
     ("partition", "foo", "distribution.partition: got 'foo'; give 'auto', 'uniform' or a list"),
+    ("partition", [1, "a"], ("distribution.partition: got [1, 'a']; give 'auto', 'uniform' or "
+                             "a list of whole numbers")),
 ])
 def test_a_field_of_several_types_gets_one_line_with_every_choice(field, value, line):
     # pydantic reports each type on its own (distribution.sharding_degree.int: ...,

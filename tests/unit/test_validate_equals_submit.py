@@ -34,7 +34,9 @@ def specs(draw) -> dict:
         compute["max_wait"] = draw(st.sampled_from([300, "3d"]))
     hps = {"model": draw(st.sampled_from(["gpt-neox-tiny", "pythia-1b"]))}
     if draw(sometimes(True, otherwise=False)):
-        hps["notes"] = "x" * draw(st.sampled_from([10, 2600, 11000]))
+        # a long value under a key the recipe reads (a path: checked where it runs), for
+        # SageMaker's hyperparameter size rules
+        hps["data"] = "corpus/" + "x" * draw(st.sampled_from([10, 2600, 11000]))
     data = {
         "name": "prop", "entry_point": "recipe:causal_lm", "hyperparameters": hps,
         "compute": compute,

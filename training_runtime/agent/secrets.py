@@ -8,6 +8,7 @@ import os
 from collections.abc import MutableMapping
 
 from dtrain.core import secrets
+from dtrain.core.aws import region_of
 
 # What to do about the errors that are not the secret's name or permission.
 _FIXES = {
@@ -41,9 +42,12 @@ def resolve_references(environ: MutableMapping[str, str] = os.environ) -> list[s
 def _fetch(service: str, where: str) -> str:
     import boto3
 
+    region = region_of()  # AWS_REGION too, which botocore alone does not read
     if service == "ssm":
-        answer = boto3.client("ssm").get_parameter(Name=where, WithDecryption=True)
+        answer = boto3.client("ssm", region_name=region).get_parameter(Name=where,
+                                                                       WithDecryption=True)
         return answer["Parameter"]["Value"]
     secret_id, _, key = where.partition("#")
-    text = boto3.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]
+    text = boto3.client("secretsmanager", region_name=region).get_secret_value(
+        SecretId=secret_id)["SecretString"]
     return str(json.loads(text)[key]) if key else text

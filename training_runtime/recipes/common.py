@@ -43,7 +43,8 @@ def parse_bool(value: str | bool) -> bool:
 
 def build_parser(prog: str, description: str, *, recipe: str,
                  lr: float) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    # no abbreviations: validation checks the names as given (recipe_inputs.HYPERPARAMETERS)
+    p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     p.add_argument("--model", default=recipe_inputs.DEFAULT_MODELS[recipe],
                    help="preset name (dtrain.core.presets) or HF folder")
     p.add_argument("--data", default=recipe_inputs.DEFAULTS["data"],

@@ -27,7 +27,7 @@ SET_BY_DTRAIN = {
     "slurm.partition": ("--partition", "-p"),
     "slurm.account": ("--account", "-A"),
     "slurm.qos": ("--qos", "-q"),
-    "slurm.gpus_per_node": ("--gpus-per-node", "--gpus", "-G"),
+    "slurm.gpus_per_node": ("--gpus-per-node", "--gpus", "-G"),  # more in _extra_option_problem
     "slurm.exclusive": ("--exclusive",),
     "slurm.shared_dir": ("--output", "-o", "--error", "-e", "--chdir", "-D", "--open-mode"),
 }
@@ -88,7 +88,8 @@ def sbatch_options(spec, ctx: Findings) -> None:
             ctx.problems.append(f"slurm.{field}: {value!r} is not a Slurm name; use letters, "
                                 "digits, '_', '-', '.' (commas between several)")
     for line in slurm.extra_sbatch:
-        problem = _extra_option_problem(line, exclusive=slurm.exclusive)
+        problem = _extra_option_problem(line, exclusive=slurm.exclusive,
+                                        dtrain_asks_gpus=slurm.gpus_per_node != 0)
         if problem:
             ctx.problems.append(f"slurm.extra_sbatch: {line!r} {problem}")
     for mount in slurm.container_mounts:
@@ -100,7 +101,7 @@ def sbatch_options(spec, ctx: Findings) -> None:
                             "the image or remove the mounts")
 
 
-def _extra_option_problem(line: str, *, exclusive: bool) -> str | None:
+def _extra_option_problem(line: str, *, exclusive: bool, dtrain_asks_gpus: bool) -> str | None:
     if "\n" in line:
         return "spans lines; give one option per item"
     if line.lstrip().startswith("#"):
@@ -112,8 +113,12 @@ def _extra_option_problem(line: str, *, exclusive: bool) -> str | None:
     if name in ("--array", "-a"):
         return "asks for a job array; dtrain submits one job per spec"
     value = line.strip()[len(name):].lstrip("= ")
-    if name == "--gres" and any(item.startswith("gpu") for item in value.split(",")):
-        return "asks for GPUs, which dtrain sets from slurm.gpus_per_node; set that instead"
+    asks_gpus = name in ("--gpus-per-task", "--gpus-per-socket") or (
+        name in ("--gres", "--tres-per-node", "--tres-per-task")
+        and any(item.split("/")[-1].startswith("gpu") for item in value.split(",")))
+    if asks_gpus and dtrain_asks_gpus:
+        return ("asks for GPUs, which dtrain asks for from slurm.gpus_per_node; set that, or "
+                "set it to 0 and ask for them here")
     if exclusive and name in ("--mem", "--mem-per-cpu", "--mem-per-gpu"):
         return ("asks for memory, but slurm.exclusive gives the job each node's memory "
                 "(--mem=0); drop it, or set slurm.exclusive false")
