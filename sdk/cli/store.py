@@ -22,8 +22,8 @@ def path() -> None:
 
 
 @store_group.command("repair")
-@click.option("--force", is_flag=True, help="Rebuild even a store that reads whole (its backup "
-              "may bring back jobs removed since the backup was taken).")
+@click.option("--force", is_flag=True, help="Rebuild even a store that reads whole (it is "
+              "moved aside too).")
 def repair(force: bool) -> None:
     """Rebuild a damaged store from every job that can still be read, in it or its backup.
 

@@ -77,7 +77,7 @@ def whole_store_jobs(path: str) -> int | None:
 
 def repair(path: str | None = None, *, force: bool = False) -> Repair:
     """Rebuild the store at ``path`` (module doc); a whole store is left as it is unless
-    ``force`` (its backup would bring back jobs removed since it was taken)."""
+    ``force``."""
     path = os.path.abspath(path or default_db_path())
     report = Repair(path=path)
     whole = None if force else whole_store_jobs(path)

@@ -73,7 +73,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     """Return a copy of ``data`` with each ``a.b.c=value`` set: parsed as YAML, or as typed
     where ``text_at(path)`` says the field holds text only (``environment.ZIP=007`` stays
     ``"007"``; :func:`dtrain.spec.base.takes_text` answers it for a spec)."""
-
     result = _deep_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
