@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -292,8 +293,6 @@ def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
         click.echo(line)
         printed += 1
     if not printed:
-        import os
-
         from dtrain.core.errors import DtrainError
 
         record = jobs.get(job)

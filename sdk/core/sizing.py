@@ -104,3 +104,8 @@ def divisors(n: int) -> list[int]:
 def short_list(values: list[int]) -> str:
     shown = values if len(values) <= 12 else [*values[:6], "…", *values[-3:]]
     return ", ".join(str(v) for v in shown) or "none"
+
+
+def either(choices: list[str]) -> str:
+    """``a, b or c``: the fixes or values a message offers."""
+    return ", ".join(choices[:-1]) + (" or " if len(choices) > 1 else "") + choices[-1]

@@ -14,7 +14,7 @@ from dtrain.core import pipeline as ppl
 from dtrain.core import tensor_parallel as tpl
 from dtrain.core.errors import SpecError
 from dtrain.core.parallelism import ParallelismError, ParallelismPlan, build_parallelism_plan
-from dtrain.core.sizing import DEFAULT_HEADROOM
+from dtrain.core.sizing import DEFAULT_HEADROOM, either
 from dtrain.planning import costmodel
 from dtrain.planning import pipeline as pipelining
 from dtrain.planning.memory import Layout, MemoryEstimate, memory_estimate, other_bytes
@@ -210,8 +210,7 @@ def _memory_fixes(parallelism: ParallelismPlan, dist: Any) -> str:
                      else "set pipeline_parallel_degree (or auto)")
     if not dist.activation_checkpointing:
         fixes.append("enable activation_checkpointing")
-    fixes = fixes or ["use a larger instance type or more instances"]
-    return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
+    return either(fixes or ["use a larger instance type or more instances"])
 
 
 def _refuse_what_the_runtime_would(plan: ParallelismPlan, model: ModelShape,

@@ -7,6 +7,7 @@ import types
 import typing
 from typing import Any
 
+from dtrain.core.sizing import either
 from pydantic import BaseModel, ValidationError
 
 _FIX = {
@@ -88,8 +89,7 @@ def _one_of(loc: tuple, errors: list[dict[str, Any]]) -> str:
             wanted.append(str(ctx.get("error") or error["msg"]))
         else:
             wanted.append(_FIX.get(kind, error["msg"].lower()).removeprefix("give "))
-    wanted = list(dict.fromkeys(w for w in wanted if w)) or ["a valid value"]
-    choices = ", ".join(wanted[:-1]) + (" or " if len(wanted) > 1 else "") + wanted[-1]
+    choices = either(list(dict.fromkeys(w for w in wanted if w)) or ["a valid value"])
     given = min(errors, key=lambda error: len(error["loc"])).get("input")  # the whole value
     return f"{'.'.join(map(str, loc))}: got {_short(given)}; give {choices}"
 
