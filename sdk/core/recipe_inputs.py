@@ -129,6 +129,18 @@ def _data_channel_problems(hps: Mapping[str, Any], channels: list[str]) -> list[
     return [missing_data(data, channels, default="data" not in hps)]
 
 
+def no_inputs_note(hps: Mapping[str, Any]) -> list[str]:
+    """A recipe job with no inputs at all: its ``data``, a bare name, can only be a folder in
+    the nodes' working directory, which a job rarely has. A note, not a problem: ``dtrain plan``
+    sizes channel-less specs, and the nodes check it before any worker starts."""
+    data = str(hps.get("data", DEFAULTS["data"]))
+    if "/" in data or "." in data:
+        return []
+    return [missing_data(data, (), default="data" not in hps).replace(
+        "; add it", ": the nodes will refuse the job unless a folder of that name is in their "
+        "working directory; add it", 1)]
+
+
 def find_channel(name: str, channels: Collection[str]) -> str | None:
     """The channel ``name`` means: SM_CHANNEL_* variables are upper-case, so names match
     case-blind."""

@@ -21,7 +21,8 @@ TOKEN = "hf_abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 def test_a_secret_looking_variable_in_plain_text_is_warned_about_and_a_reference_is_not():
-    spec = {"entry_point": "recipe:causal_lm", "environment": {"HF_TOKEN": TOKEN}}
+    spec = {"entry_point": "recipe:causal_lm", "hyperparameters": {"data": "/data/corpus"},
+            "environment": {"HF_TOKEN": TOKEN}}
     with pytest.warns(SpecWarning, match=r"environment.HF_TOKEN: looks like a secret given in "
                                          r"plain text.*secretsmanager:<secret name>"):
         JobSpec.from_dict(spec)

@@ -18,7 +18,8 @@ ROLE = "arn:aws:iam::111122223333:role/dtrain-test"
 
 
 def sagemaker(**compute) -> dict:
-    return {**RECIPE, "output_path": "s3://dtrain-test-bucket/out", "sagemaker": {"role": ROLE},
+    return {**RECIPE, "inputs": {"train": "s3://dtrain-test-bucket/train"},
+            "output_path": "s3://dtrain-test-bucket/out", "sagemaker": {"role": ROLE},
             "compute": {"target": "sagemaker", "instance_type": "ml.p4d.24xlarge", **compute}}
 
 
@@ -522,6 +523,17 @@ def test_a_recipe_refuses_data_that_names_none_of_the_jobs_channels(tmp_path):
     assert "hyperparameters.data: 'train' (the default) is not a channel of this job (val)" in msg
     for fine in ("TRAIN", "corpus/part.txt", "tokens.bin"):  # a channel, case-blind, or a path
         JobSpec.from_dict({**RECIPE, "inputs": inputs, "hyperparameters": {"data": fine}})
+
+
+def test_a_recipe_job_without_inputs_is_warned_before_its_nodes_refuse_it():
+    # it validated silently, then every node stopped with "'train' ... is neither a channel"
+    with pytest.warns(SpecWarning, match=r"hyperparameters.data: 'train' \(the default\) is not "
+                                         r"a channel of this job \(none\): the nodes will "
+                                         r"refuse the job"):
+        JobSpec.from_dict(RECIPE)
+    with warnings.catch_warnings():  # a path is the nodes' business: nothing to say
+        warnings.simplefilter("error", SpecWarning)
+        JobSpec.from_dict({**RECIPE, "hyperparameters": {"data": "/data/corpus"}})
 
 
 def test_a_recipe_refuses_local_data_it_cannot_train_on_naming_the_channel(tmp_path):

@@ -136,6 +136,8 @@ def recipe_hyperparameters(spec, ctx: Findings) -> None:
         ctx.problems += recipe_inputs.hyperparameter_problems(spec.hyperparameters, recipe=recipe,
                                                               model_known=False,
                                                               channels=spec.inputs.keys())
+        if not spec.inputs:
+            ctx.notes += recipe_inputs.no_inputs_note(spec.hyperparameters)
 
 
 def cloud_paths(spec, ctx: Findings) -> None:
