@@ -107,11 +107,17 @@ class Estimator:
 
     def fit(self, inputs: str | dict[str, str] | None = None, *, wait: bool = True,
             follow: bool = False) -> JobRecord:
-        """Submit the job; with ``wait`` return once it ended (check ``.status``) and its
-        target removed what it created for it (EC2: its groups, at most 5 min more)."""
+        """Submit the job; with ``wait`` return once it completed and its target removed what
+        it created for it (EC2: its groups, at most 5 min more), or raise DtrainError with why
+        it failed or stopped, as ``dtrain submit`` does (the record is in ``latest_job``).
+        ``follow`` prints its log lines as they come."""
+        from dtrain.core.errors import DtrainError
         from dtrain.jobs import api as jobs
 
         self.latest_job = jobs.submit(self.spec(inputs), wait=wait, follow=follow,
                                       clients=self.clients,
                                       on_line=print if follow else None)
+        problem = jobs.not_completed(self.latest_job, clients=self.clients) if wait else None
+        if problem:
+            raise DtrainError(problem)
         return self.latest_job

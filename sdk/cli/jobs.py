@@ -29,10 +29,6 @@ def _duration(record: Any) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def _first_line(text: str | None) -> str:
-    return (text or "").strip().splitlines()[0] if (text or "").strip() else ""
-
-
 def progress_line(metrics: dict[str, float]) -> str:
     parts = [f"step {metrics['step']}"]
     if "loss" in metrics:
@@ -61,27 +57,16 @@ def _show_progress(job_id: str) -> None:
 
 def _finish(record: Any, output: str) -> None:
     from dtrain.core.errors import DtrainError
+    from dtrain.jobs import api as jobs
 
     if output == "json":
         echo_json(record.to_dict())
     else:
         click.echo(f"{record.id} {record.name}: {record.status} after {_duration(record)}"
                    f" · output {record.output_location or '-'}")
-    if record.status != "Completed":
-        why = _first_line(record.failure_reason) or f"see `dtrain logs {record.id}`"
-        hint = _resume_hint(record)
-        raise DtrainError(f"job {record.id} {record.status}: {why}"
-                          + (f"; resume it with `{hint}`" if hint else ""))
-
-
-def _resume_hint(record: Any) -> str | None:
-    """The command that resumes a stopped job from its newest checkpoint, if it left one."""
-    from dtrain.core.states import STOPPED
-    from dtrain.jobs import api as jobs
-
-    if record.status != STOPPED or jobs.resume_from(record)[1]:
-        return None
-    return f"dtrain submit --resume {record.id}"
+    problem = jobs.not_completed(record)
+    if problem:
+        raise DtrainError(problem)
 
 
 def _dry_run(spec: Any, output: str) -> None:
@@ -273,7 +258,7 @@ def status(job: str, output: str) -> None:
         click.echo(f"{key:<9} {value}")
     if record.failure_reason:
         click.echo(f"{'reason':<9} {record.failure_reason.strip()}")
-    hint = _resume_hint(record)
+    hint = jobs.resume_hint(record)
     if hint:
         click.echo(f"{'resume':<9} {hint}")
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtrain.core import names
 from dtrain.core.errors import DtrainError
-from dtrain.core.states import FAILED, PENDING
+from dtrain.core.states import COMPLETED, FAILED, PENDING, STOPPED
 from dtrain.jobs.store import JobRecord, JobStore, new_job_id
 
 if TYPE_CHECKING:
@@ -188,6 +188,25 @@ def resume_from(record: JobRecord, *,
         return location, (f"job {record.id} left no complete checkpoint in {location} (it "
                           "stopped before its first); submit its spec again to start afresh")
     return location, None
+
+
+def resume_hint(record: JobRecord, *, clients: dict[str, Any] | None = None) -> str | None:
+    """The command that resumes a stopped job from its newest checkpoint, if it left one."""
+    if record.status != STOPPED or resume_from(record, clients=clients)[1]:
+        return None
+    return f"dtrain submit --resume {record.id}"
+
+
+def not_completed(record: JobRecord, *, clients: dict[str, Any] | None = None) -> str | None:
+    """What a waiting caller is told of a job that ended without completing (None: it
+    completed): the first line of its reason, or where its logs are, and how to resume it."""
+    if record.status == COMPLETED:
+        return None
+    reason = (record.failure_reason or "").strip()
+    why = reason.splitlines()[0] if reason else f"see `dtrain logs {record.id}`"
+    hint = resume_hint(record, clients=clients)
+    return f"job {record.id} {record.status}: {why}" + (
+        f"; resume it with `{hint}`" if hint else "")
 
 
 def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] | None = None,

@@ -28,3 +28,14 @@ def test_attach_and_model_data_of_a_finished_local_job(tmp_path):
     # the model folder itself (rank 0's host's), not the job folder around it
     assert (Path(attached.model_data) / "model.txt").read_text() == "trained"
     assert est.model_data == attached.model_data
+
+
+def test_fit_of_a_failed_job_raises_with_its_reason_as_submit_exits_1(tmp_path):
+    # fit returned the Failed record silently: nothing printed, nothing raised
+    (tmp_path / "train.py").write_text("raise ValueError('bad batch')\n")
+    est = Estimator(entry_point="train.py", source_dir=str(tmp_path), name="fails",
+                    output_path=str(tmp_path / "out"))
+    with pytest.raises(DtrainError, match=r"job \w+ Failed: rank 0 on algo-1 exited with code 1: "
+                                          r"ValueError: bad batch"):
+        est.fit()
+    assert est.latest_job.status == "Failed"
