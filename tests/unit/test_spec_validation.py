@@ -161,6 +161,20 @@ def test_local_input_paths_are_rejected_for_cloud_targets(tmp_path):
     assert "inputs.train" in msg and "upload it to S3" in msg
 
 
+def test_local_gpu_needs_this_machine_s_gpus_one_per_worker(monkeypatch):
+    # local_gpu on a machine without a GPU validated, then trained on the CPU under a GPU's plan
+    gpu = {**RECIPE, "hyperparameters": {"data": "/data/corpus"},
+           "compute": {"instance_type": "local_gpu"}}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert ("compute.instance_type: 'local_gpu' runs on this machine's NVIDIA GPUs, and it has "
+            "none") in problems(gpu)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert JobSpec.from_dict(gpu).compute.instance_type == "local_gpu"
+    assert ("compute.processes_per_instance: 3 workers, but this machine has 2 GPU(s)"
+            in problems({**gpu, "compute": {"instance_type": "local_gpu",
+                                            "processes_per_instance": 3}}))
+
+
 def test_local_input_paths_resolve_against_the_spec_folder(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.txt").write_text("text")  # a recipe refuses an empty folder

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dtrain.core import recipe_inputs, s3
+from dtrain.core import contract, recipe_inputs, s3
 from dtrain.spec.rules.common import Findings, exists, resolve
 
 # A local job with more worker processes than this many per core is likely to crawl; with more
@@ -32,6 +32,25 @@ def fits_this_machine(spec, ctx: Findings) -> None:
             f"compute: {total} local worker processes on {cores} CPU cores will be slow; "
             "lower compute.instance_count or compute.processes_per_instance"
         )
+
+
+def gpus_here(spec, ctx: Findings) -> None:
+    """``local_gpu`` runs a worker per GPU of this machine: without one it would train on the
+    CPU under a GPU's plan (nccl, bf16), and more workers than GPUs share none."""
+    if spec.compute.instance.name != "local_gpu":
+        return
+    gpus = contract.count_gpus()
+    processes = spec.compute.processes_per_instance
+    if gpus == 0:
+        ctx.problems.append(
+            "compute.instance_type: 'local_gpu' runs on this machine's NVIDIA GPUs, and it has "
+            "none (no /dev/nvidia* device, or CUDA_VISIBLE_DEVICES hides them); use "
+            "instance_type 'local' to train on its CPU")
+    elif processes is not None and processes > gpus:
+        ctx.problems.append(
+            f"compute.processes_per_instance: {processes} workers, but this machine has {gpus} "
+            f"GPU(s) and each worker needs its own; set it to {gpus} or fewer, or leave it out "
+            "(a worker per GPU)")
 
 
 def no_spot(spec, ctx: Findings) -> None:
@@ -79,4 +98,4 @@ def recipe_data(spec, ctx: Findings) -> None:
         ctx.problems += recipe_inputs.data_problems(Path(uri), what=f"inputs.{data}")
 
 
-RULES = (fits_this_machine, no_spot, local_paths, recipe_data)
+RULES = (fits_this_machine, gpus_here, no_spot, local_paths, recipe_data)
