@@ -282,7 +282,8 @@ def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
 
         record = jobs.get(job)
         folder = record.log_location
-        if record.is_final and folder and "://" not in folder and not os.path.exists(folder):
+        # a folder here (local, Slurm), not a cloud location (s3://, cloudwatch:/...)
+        if record.is_final and folder and os.path.isabs(folder) and not os.path.exists(folder):
             raise DtrainError(f"job {job} ended {record.status}, and its folder {folder}, which "
                               "held its logs, no longer exists")
         which = " and ".join(filter(None, [host and f"host {host}",

@@ -90,6 +90,15 @@ def test_status_and_logs_come_from_the_store_and_cloudwatch(submitted):
     assert [r["id"] for r in listed] == [record["id"]]
 
 
+def test_logs_of_a_job_that_wrote_none_say_so_without_an_error(submitted):
+    # a job that ended before its container started has no log streams: "cloudwatch:/aws/..."
+    # was taken for a deleted local folder ("... which held its logs, no longer exists"), exit 1
+    _, record, _ = submitted
+    empty = dtrain("logs", record["id"], check=False)
+    assert (empty.returncode, empty.stdout) == (0, "")
+    assert empty.stderr == f"no log lines (it ended Completed) in job {record['id']}\n"
+
+
 def test_dry_run_prints_the_create_training_job_request(moto_aws):  # noqa: F811
     done = dtrain("submit", "--dry-run", "--target", "sagemaker", str(EXAMPLE), "-o", "json")
     request = json.loads(done.stdout)["request"]
