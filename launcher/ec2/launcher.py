@@ -258,6 +258,15 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
 
     # ---------------------------------------------------------------- logs and stop
 
+    def hosts(self, handle: Handle) -> list[str] | None:
+        """The nodes (private IPs) that uploaded logs so far (None: none yet)."""
+        state = state_of(handle)
+        if state.launch_token is None:
+            return None
+        prefix = state.prefix or self.describe(handle)["prefix"]
+        found = {log.host for log in s3_logs.log_objects(self._clients_of(handle)[1], prefix)}
+        return sorted(found) or None
+
     def logs(self, handle: Handle, *, follow: bool, host: str | None, rank: int | None,
              ended: Callable[[], bool]) -> Iterator[str]:
         """``logformat`` lines from each node's logs in S3 (uploaded every 30 s while it runs)."""

@@ -69,6 +69,12 @@ class LogReader:
             if "ResourceNotFoundException" not in type(exc).__name__ + str(exc):
                 raise
 
+    def hosts(self) -> list[str]:
+        """The hosts that have a stream (``<job>/algo-<N>-<epoch>``), in host order."""
+        self._discover()
+        found = {name[len(self.job_name) + 1:].rsplit("-", 1)[0] for name in self._cursors}
+        return sorted(found, key=lambda host: (len(host), host))
+
     def _read_new(self, cursor: _StreamCursor, *,
                   to_the_end: bool) -> list[tuple[int, str, str]]:
         """The stream's events after the cursor. GetLogEvents may answer an empty page with a

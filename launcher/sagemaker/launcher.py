@@ -322,6 +322,11 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
                 **update.state, "arn": described["TrainingJobArn"], "submitter": None})
         return update
 
+    def hosts(self, handle: Handle) -> list[str] | None:
+        """The hosts that wrote a log stream so far (None: none yet)."""
+        reader = LogReader(self.client_in("logs", handle.state.region), _job_name(handle))
+        return reader.hosts() or None
+
     def logs(self, handle: Handle, *, follow: bool, host: str | None, rank: int | None,
              ended: Callable[[], bool]) -> Iterator[str]:
         """Every host's CloudWatch stream merged by time, optionally one host's or rank's."""

@@ -266,7 +266,9 @@ def status(job: str, output: str) -> None:
 @click.command()
 @click.argument("job")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
-@click.option("--host", default=None, help="Only this host (e.g. algo-2).")
+@click.option("--host", default=None,
+              help="Only this host, as the lines name it: algo-2 (local, SageMaker), a node's "
+                   "name (Slurm) or private IP (EC2).")
 @click.option("--rank", type=int, default=None, help="Only this global rank.")
 def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
     """Print a job's logs: every host's lines in the order they were written, a worker's

@@ -312,7 +312,8 @@ def logs(job: str, *, follow: bool = False, host: str | None = None, rank: int |
     record = find(job, store=store)
     launcher = launcher_for(record.target, clients)
     handle = handle_of(record, launcher)
-    _check_log_filter(record, launcher.hosts(handle), host=host, rank=rank)
+    _check_log_filter(record, launcher.hosts(handle) if host is not None else None,
+                      host=host, rank=rank)
 
     def ended() -> bool:
         return refresh(store.get(record.id), launcher, store).is_final

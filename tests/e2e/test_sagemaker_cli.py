@@ -86,6 +86,10 @@ def test_status_and_logs_come_from_the_store_and_cloudwatch(submitted):
     assert lines == ["[algo-1 0]: dtrain-metrics step=1 loss=2",
                      "[algo-2 8]: dtrain-metrics step=1 loss=2"]
     assert dtrain("logs", record["id"], "--host", "algo-2").stdout.splitlines() == lines[1:]
+    other = dtrain("logs", record["id"], "--host", "algo-3", check=False)
+    assert other.returncode == 2
+    assert other.stderr == (f"error: --host 'algo-3': job {record['id']} runs on algo-1, "
+                            "algo-2\n")
     listed = json.loads(dtrain("list", "-o", "json").stdout)
     assert [r["id"] for r in listed] == [record["id"]]
 

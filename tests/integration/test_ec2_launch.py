@@ -28,7 +28,7 @@ import boto3
 import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.stub import Stubber
-from dtrain.core.errors import DtrainError
+from dtrain.core.errors import DtrainError, SpecError
 from dtrain.jobs import api as jobs
 from dtrain.jobs.store import JobRecord, JobStore, new_job_id
 from dtrain.launcher import aws as aws_tags
@@ -675,6 +675,10 @@ def test_logs_merge_the_nodes_own_logs_in_time_order_in_the_format_of_every_targ
                       "[10.0.0.2 2]:restarted", "[10.0.0.1] agent: workers exited"]
     assert logs(rank=2) == ["[10.0.0.2 2]:step 1", "[10.0.0.2 2]:restarted"]
     assert logs(host="10.0.0.1", rank=0) == ["[10.0.0.1 0]:step 1"]
+    # a host of no node (the other targets' algo-2) is refused, not answered with no lines
+    with pytest.raises(SpecError, match=rf"--host 'algo-1': job {record.id} runs on 10.0.0.1, "
+                                        r"10.0.0.2$"):
+        logs(host="algo-1")
 
 
 def test_following_logs_gives_each_line_once_and_whole(aws):
