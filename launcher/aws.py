@@ -29,6 +29,7 @@ USER_ERROR_CODES = {
     "ValidationException": "fix the setting named above and submit again",
     "AccessDeniedException": "check the IAM permissions of your AWS credentials",
     "AccessDenied": "check the IAM permissions of your AWS credentials",
+    "UnauthorizedOperation": "check the IAM permissions of your AWS credentials",  # EC2's
     "NoSuchBucket": "create the bucket or fix output_path",
     "ResourceNotFound": "check the job name (dtrain list)",
     "ExpiredTokenException": "refresh your AWS credentials",

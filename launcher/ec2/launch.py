@@ -176,4 +176,6 @@ class Launch:
         if code is None:
             return DtrainError(f"EC2 launch failed: {type(exc).__name__}: {exc} ({done})"
                                f"{left_line}")
-        return DtrainError(f"{aws.as_dtrain_error(exc, 'EC2 launch')} ({done}){left_line}")
+        call = getattr(exc, "operation_name", None)  # which of the launch's calls was refused
+        action = f"EC2 launch ({call})" if call else "EC2 launch"
+        return DtrainError(f"{aws.as_dtrain_error(exc, action)} ({done}){left_line}")

@@ -120,8 +120,10 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         if self.confirm is not None and self.confirm(
                 f"that is above ec2.confirm_above_usd (${limit:,.2f}). Launch?"):
             return
+        # no one to ask (Python's Estimator, a script): the spec is what can say yes
+        yes = "pass --yes, " if self.confirm is not None else ""
         raise DtrainError(f"not launched: {line} is above ec2.confirm_above_usd=${limit:,.2f}; "
-                          "pass --yes, raise ec2.confirm_above_usd, or lower compute.max_run")
+                          f"{yes}raise ec2.confirm_above_usd, or lower compute.max_run")
 
     def submit(self, request: Request, journal: Journal) -> Handle:
         """Launch the cluster; on any failure leave nothing behind (see ``launch``)."""

@@ -288,6 +288,17 @@ def test_stop_leaves_no_running_instance_and_no_dtrain_security_group(aws):
     assert target.status(record).status == "Stopped"
 
 
+def test_a_call_the_credentials_may_not_make_is_named_with_the_fix(aws):
+    # every refused call read "EC2 launch failed: UnauthorizedOperation: ..." with no fix
+    target = ec2_target(aws, assume_yes=True)
+    fail_run_instances_after(aws["ec2"], launched=0, code="UnauthorizedOperation")
+    with pytest.raises(DtrainError, match=r"^EC2 launch \(RunInstances\) failed: "
+                                          r"UnauthorizedOperation: .*; check the IAM permissions "
+                                          r"of your AWS credentials \(no node was launched\)"):
+        target.submit()
+    assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
+
+
 def test_no_capacity_for_the_cluster_rolls_everything_back(aws):
     target = ec2_target(aws, assume_yes=True)
     fail_run_instances_after(aws["ec2"], launched=0)
@@ -350,8 +361,9 @@ def test_an_upload_refused_by_s3_is_one_line_and_leaves_nothing(aws):
 
 
 def test_cost_above_threshold_is_refused_without_yes_and_nothing_is_created(aws):
-    target = ec2_target(aws)
-    with pytest.raises(DtrainError, match="confirm_above_usd"):
+    target = ec2_target(aws)  # as from Python: no one to ask, and no --yes to pass
+    with pytest.raises(DtrainError, match=r"above ec2.confirm_above_usd=\$100.00; raise "
+                                          r"ec2.confirm_above_usd, or lower compute.max_run$"):
         target.submit()
     assert live_instances(aws["ec2"]) == [] and dtrain_groups(aws["ec2"]) == []
     assert "Contents" not in aws["s3"].list_objects_v2(Bucket=BUCKET)  # nothing uploaded
@@ -360,6 +372,7 @@ def test_cost_above_threshold_is_refused_without_yes_and_nothing_is_created(aws)
     with pytest.raises(DtrainError):
         target.submit()
     assert asked == ["that is above ec2.confirm_above_usd ($100.00). Launch?"]
+    assert "; pass --yes, raise ec2.confirm_above_usd" in target.store.find(JOB).failure_reason
     assert target.out.getvalue().count("up to $786.54") == 1  # the cost line, once
     refused = target.store.find(JOB)  # the record says why; nothing of it is left to remove
     assert refused.status == "Failed" and refused.failure_reason.startswith("not launched: ")
