@@ -52,3 +52,33 @@ def test_a_checkpoint_of_an_older_gpt2_layout_is_refused_and_one_of_the_same_lay
     with pytest.raises(ValueError, match=r"holds gpt2's parameters in layout 1, and this "
                        r"dtrain's gpt2 uses layout 2 .*model/ folder"):
         manager.load(saved, model, optimizer)
+
+
+def test_a_checkpoint_of_another_model_is_refused_instead_of_loaded_in_part(
+        tmp_path, one_rank_group):
+    # a model of fewer layers resumed silently from part of the weights (DCP loads what the
+    # model asks for); one of more layers failed on a bare "Missing key in checkpoint"
+    def model_of(layers: int, width: int = 8) -> torch.nn.Module:
+        return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+
+    four = model_of(4)
+    manager = CheckpointManager(tmp_path / "ckpt")
+    saved = manager.save(4, four, torch.optim.SGD(four.parameters(), lr=0.1),
+                         {"data_position": 0})
+    cases = [(model_of(3), r"it holds 3.weight, 3.bias, which this model has not"),
+             (model_of(5), r"it lacks this model's 4.weight, 4.bias"),
+             (model_of(4, width=6), r"0.weight is \[8, 8\] there and \[6, 6\] here")]
+    for model, difference in cases:
+        with pytest.raises(ValueError, match=rf"checkpoint {saved} was written by a different "
+                                             rf"model: {difference}.*new checkpoint location"):
+            manager.load(saved, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    same = model_of(4)
+    assert manager.load(saved, same, torch.optim.SGD(same.parameters(), lr=0.1))["step"] == 4
+
+    # a model family's checkpoint loaded into another: said so, not blamed on GPT-2's layout
+    neox = from_preset("gpt-neox-tiny")
+    saved = manager.save(5, neox, torch.optim.SGD(neox.parameters(), lr=0.1), {"data_position": 0})
+    gpt2 = from_preset("gpt2-tiny")
+    with pytest.raises(ValueError, match=r"was written by a different model: it lacks this "
+                                         r"model's .*; it holds "):
+        manager.load(saved, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1))

@@ -47,6 +47,7 @@ from dtrain.core.checkpoint_layout import (
     step_dir_name,
 )
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -272,10 +273,11 @@ class CheckpointManager:
         if not (path / COMPLETE).is_file():
             raise ValueError(f"{path} is not a complete checkpoint (no {COMPLETE} marker); "
                              "pass a step-N folder written by CheckpointManager.save")
-        check_state_layout(path, model)
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         options = StateDictOptions() if _LIST_GROUPS in saved else FLAT_OPTIMIZER
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        check_parameters(path, saved, model_sd)  # another model's: names or shapes differ
+        check_state_layout(path, model)  # this model's, laid out as an older dtrain did
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -312,6 +314,38 @@ def check_state_layout(path: Path, model: nn.Module) -> None:
             f"{ours['version']} (GPT-2's c_attn became per head in layout 2); it cannot be "
             "loaded as is: start a new job from the final model that job exported (its model/ "
             "folder, in Hugging Face format), or resume it with the dtrain that wrote it")
+
+
+def check_parameters(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another model: DCP loads the tensors the model asks for and ignores
+    the rest, so a model with fewer layers resumed silently from part of the weights (and one
+    with more failed on a bare missing key). Every rank gathers every rank's names and shapes
+    (a pipeline stage holds only its own), so all raise the same error or none does."""
+    ours = {f"model.{name}": tuple(value.shape) for name, value in model_sd.items()
+            if isinstance(value, torch.Tensor)}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ours)
+    model = {name: shape for rank_names in everyone for name, shape in rank_names.items()}
+    stored = {name: tuple(meta.size) for name, meta in saved.items()
+              if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    lacks = [name for name in model if name not in stored]  # in the models' own order
+    extra = [name for name in stored if name not in model]
+    reshaped = [name for name in model if name in stored and model[name] != stored[name]]
+    if not (lacks or extra or reshaped):
+        return
+
+    def names(found: list[str]) -> str:
+        shown = ", ".join(name[len("model."):] for name in found[:3])
+        return shown + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+
+    differences = ([f"it lacks this model's {names(lacks)}"] if lacks else []) + (
+        [f"it holds {names(extra)}, which this model has not"] if extra else []) + [
+        f"{name[len('model.'):]} is {list(stored[name])} there and {list(model[name])} here"
+        for name in reshaped[:3]]
+    raise ValueError(
+        f"checkpoint {path} was written by a different model: {'; '.join(differences)}. "
+        "Resume it with the model settings that wrote it, or start afresh with a new "
+        "checkpoint location (checkpoint.uri)")
 
 
 PARTIAL_SUFFIX = ".dtrain-partial"
