@@ -163,6 +163,10 @@ def submit(spec_path: str | None, overrides: tuple[str, ...], target: str | None
         raise click.UsageError(f"{'--follow' if follow else '--stop-on-interrupt'} waits for the "
                                "job to end; drop --no-wait, or that flag")
     spec = load_spec(spec_path, overrides, target) if spec_path else None
+    if resume and any(item.split("=", 1)[0].strip() == "checkpoint.uri" for item in overrides):
+        raise click.UsageError("--resume sets checkpoint.uri to where JOB kept its checkpoints; "
+                               "to train from another folder, submit a spec with --set "
+                               "checkpoint.uri=... and no --resume")
     if resume:
         spec = jobs.resume_spec(resume, spec=spec, overrides=None if spec_path else
                                 [*overrides, *([f"compute.target={target}"] if target else [])])
@@ -301,7 +305,11 @@ def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
               help="Wait until the job has stopped.")
 @OUTPUT_OPTION
 def stop(job: str, wait: bool, output: str) -> None:
-    """Stop a job: workers get SIGTERM, then SIGKILL after the grace period."""
+    """Stop a job: its workers get SIGTERM, on which dtrain's Trainer writes a checkpoint, and
+    SIGKILL when still running after the grace period (local: environment
+    DTRAIN_STOP_GRACE_PERIOD, default 30 s; SageMaker: its own 120 s; Slurm: KillWait). EC2
+    terminates the nodes. The job ends Stopped; `dtrain submit --resume JOB` continues it from
+    its newest checkpoint."""
     from dtrain.jobs import api as jobs
 
     # as last recorded, before the stop (its own note on a shared name comes with the stop)

@@ -145,10 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     if debug:  # accepted anywhere on the line, not only before the subcommand
         args = ["--debug", *(a for a in args if a != "--debug")]
-    # A closed terminal (SIGHUP) is a Ctrl-C: a submit under way leaves a record the next status
-    # settles, a wait leaves the job running. Not under nohup, which ignores it on purpose.
-    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
-        signal.signal(signal.SIGHUP, _hang_up)
+    # A closed terminal (SIGHUP) or a polite kill (SIGTERM: `timeout`, a cancelled CI job) is a
+    # Ctrl-C: a submit under way leaves a record the next status settles, a wait leaves the job
+    # running, or stops it with --stop-on-interrupt. Not a signal ignored on purpose (nohup).
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _hang_up)
     try:
         cli.main(args=args, prog_name="dtrain", standalone_mode=False)
     except click.exceptions.Abort:

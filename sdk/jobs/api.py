@@ -9,6 +9,7 @@ made for it (``pending_cleanup``).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -184,15 +185,24 @@ def resume_from(record: JobRecord, *,
         return None, (f"job {record.id} recorded no checkpoint location (it never started, or "
                       "an older dtrain submitted it); resubmit with --set checkpoint.uri=<where "
                       "its checkpoints are>")
+    if not s3.is_s3_uri(location) and not os.path.isdir(location):
+        return location, (f"job {record.id}'s checkpoint folder {location} no longer exists; "
+                          "submit its spec again to start afresh")
     if not s3.is_s3_uri(location) and not checkpoint_layout.complete_checkpoints(location):
         return location, (f"job {record.id} left no complete checkpoint in {location} (it "
-                          "stopped before its first); submit its spec again to start afresh")
+                          "ended before its first); submit its spec again to start afresh")
     return location, None
 
 
 def resume_hint(record: JobRecord, *, clients: dict[str, Any] | None = None) -> str | None:
-    """The command that resumes a stopped job from its newest checkpoint, if it left one."""
-    if record.status != STOPPED or resume_from(record, clients=clients)[1]:
+    """The command that resumes a job that stopped, or failed (a node lost, a bug fixed since),
+    from its newest checkpoint, if it left one (a failed job's: one seen here, not in S3)."""
+    from dtrain.core import s3
+
+    if record.status not in (STOPPED, FAILED):
+        return None
+    location, problem = resume_from(record, clients=clients)
+    if problem or (record.status == FAILED and s3.is_s3_uri(location)):
         return None
     return f"dtrain submit --resume {record.id}"
 
@@ -220,6 +230,11 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
 
     store = store or JobStore()
     record = find(job, store=store)
+    if not record.is_final:  # as last recorded: ask whether it has ended since
+        record = refresh(record, launcher_for(record.target, clients), store)
+    if not record.is_final:  # both would write, and prune, the same checkpoint folder
+        raise DtrainError(f"job {record.id} is still {record.status}; stop it first (dtrain "
+                          f"stop {record.id} --wait) or wait for it to end, then resume it")
     location, problem = resume_from(record, clients=clients)
     if problem:
         raise DtrainError(problem)

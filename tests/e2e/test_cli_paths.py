@@ -66,6 +66,10 @@ def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_how_to_follow_or_s
     assert result.returncode == 130 and f"interrupted: job {job} (patient) keeps running" \
         in result.stderr
     assert jobs.stop(job, wait=True, timeout_s=60).status == "Stopped"
+    # so is a SIGTERM (`timeout`, a cancelled CI job): it stopped nothing, without a word
+    result, job = _interrupt_waiting_submit(spec, "--stop-on-interrupt", sig=signal.SIGTERM)
+    assert result.returncode == 130 and f"interrupted: stopping job {job}" in result.stderr
+    assert jobs.wait_for(job, timeout_s=60).status == "Stopped"
 
 
 def test_the_name_a_user_gave_finds_the_latest_of_its_jobs_and_names_the_others(tmp_path):
@@ -180,7 +184,7 @@ def test_resume_uses_the_jobs_checkpoint_location_on_the_same_target(tmp_path):
         jobs.resume_spec(bare.id, store=store)
 
 
-def test_a_stopped_job_says_how_to_resume_it_and_a_failed_one_does_not(tmp_path):
+def test_a_stopped_or_failed_job_with_a_checkpoint_says_how_to_resume_it(tmp_path):
     store = JobStore()
     spec = {"name": "tiny", "entry_point": "recipe:causal_lm"}
     saved, empty = tmp_path / "saved", tmp_path / "empty"
@@ -199,7 +203,11 @@ def test_a_stopped_job_says_how_to_resume_it_and_a_failed_one_does_not(tmp_path)
     ended = store.create(name="tiny-ended", target="local", spec=spec, status="Completed",
                          target_data={"secondary_status": "MonitorGone"})
     assert "status    Completed\n" in dtrain("status", ended.id).stdout  # it means no more
-    assert "resume " not in dtrain("status", failed.id).stdout
+    # a node lost without notice fails the job; its checkpoints are there to continue from
+    assert f"resume    dtrain submit --resume {failed.id}\n" in dtrain("status", failed.id).stdout
+    cloud = store.create(name="tiny-cloud", target="sagemaker", spec=spec, status="Failed",
+                         target_data={"checkpoints": "s3://bkt/tiny/checkpoints"})
+    assert "resume " not in dtrain("status", cloud.id).stdout  # none seen there: not offered
     # stopped before its first checkpoint: no resume is offered, and one asked for is refused
     early = store.create(name="tiny-early", target="local", spec=spec, status="Stopped",
                          target_data={"checkpoints": str(empty)})
@@ -207,20 +215,33 @@ def test_a_stopped_job_says_how_to_resume_it_and_a_failed_one_does_not(tmp_path)
     refused = dtrain("submit", "--resume", early.id)
     assert refused.returncode != 0
     assert f"left no complete checkpoint in {empty}" in refused.stderr
+    gone = store.create(name="tiny-gone", target="local", spec=spec, status="Completed",
+                        target_data={"checkpoints": str(tmp_path / "deleted")})
+    refused = dtrain("submit", "--resume", gone.id)
+    assert f"checkpoint folder {tmp_path / 'deleted'} no longer exists" in refused.stderr
+    # a job still running would share its checkpoint folder with the resumed one
+    busy = store.create(name="tiny-busy", target="local", spec=spec, status="Running",
+                        target_data={"checkpoints": str(saved), "secondary_status": "MonitorGone"})
+    refused = dtrain("submit", "--resume", busy.id)
+    assert f"job {busy.id} is still Running; stop it first" in refused.stderr
+    moved = dtrain("submit", "--resume", stopped.id, "--set", "checkpoint.uri=/elsewhere")
+    assert moved.returncode == 2 and "--resume sets checkpoint.uri" in moved.stderr
 
 
-def test_a_hang_up_is_a_ctrl_c_except_under_nohup():
+def test_a_hang_up_or_sigterm_is_a_ctrl_c_unless_ignored():
     import contextlib
 
     from dtrain.cli import main as cli_main
 
-    previous = signal.getsignal(signal.SIGHUP)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGHUP, signal.SIGTERM)}
     try:
         for before, after in ((signal.SIG_IGN, signal.SIG_IGN),  # nohup: left as it is
                               (signal.SIG_DFL, cli_main._hang_up)):
-            signal.signal(signal.SIGHUP, before)
+            for sig in previous:
+                signal.signal(sig, before)
             with contextlib.suppress(SystemExit):
                 cli_main.main(["--version"])
-            assert signal.getsignal(signal.SIGHUP) == after
+            assert [signal.getsignal(sig) for sig in previous] == [after, after]
     finally:
-        signal.signal(signal.SIGHUP, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
