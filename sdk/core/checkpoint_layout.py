@@ -20,6 +20,14 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def step_of(folder: str | Path) -> int:
+    """The step a ``step-000120`` folder holds (ValueError for another name)."""
+    match = _STEP_DIR.match(Path(folder).name)
+    if match is None:
+        raise ValueError(f"{folder} is not a step-N checkpoint folder")
+    return int(match.group(1))
+
+
 def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of every complete checkpoint under ``root``, oldest first."""
     root = Path(root)
@@ -27,9 +35,8 @@ def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / COMPLETE).is_file():
-            found.append((int(match.group(1)), child))
+        if _STEP_DIR.match(child.name) and child.is_dir() and (child / COMPLETE).is_file():
+            found.append((step_of(child), child))
     return sorted(found)
 
 

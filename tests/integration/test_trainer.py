@@ -288,6 +288,22 @@ def test_a_finished_run_leaves_a_checkpoint_of_its_last_step(job):
 
 
 
+def test_a_run_of_fewer_steps_than_its_checkpoint_is_refused_not_completed_untrained(
+        job, capsys):
+    # steps 1 on a step-2 checkpoint trained nothing, exported the old model and ended Completed
+    try:
+        _tiny_fit(2)
+        with pytest.raises(ValueError, match=r"step-000002 is at step 2, past the 1 steps this "
+                                             r"run trains to; give steps above 2"):
+            _tiny_fit(1)
+        _, same = _tiny_fit(2)  # a restart after the last checkpoint: only the model is saved
+    finally:
+        torch.distributed.destroy_process_group()
+    assert (same.resumed_from, same.step) == (2, 2)
+    assert "at step 2; that is the last of its 2 steps: nothing left to train" in \
+        capsys.readouterr().out
+
+
 def test_an_optimizer_passed_in_keeps_its_groups_learning_rates_shaped_by_the_schedule(job):
     def two_rates(model):
         params = list(model.parameters())

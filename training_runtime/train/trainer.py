@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dtrain.core import checkpoint_layout
 from dtrain.core.contract import (
     PREEMPTED_EXIT_CODE,  # noqa: F401 - recipes' exit code, shared
     STOPPED_EARLY_FILE,
@@ -334,6 +335,13 @@ class Trainer:
         path = checkpoints.latest()
         if path is None:
             return None
+        saved_step = checkpoint_layout.step_of(path)
+        if saved_step > self.config.steps:  # it would train nothing, and end Completed
+            raise ValueError(
+                f"checkpoint {path} is at step {saved_step}, past the {self.config.steps} steps "
+                f"this run trains to; give steps above {saved_step} to train on from it (the "
+                "learning-rate schedule then spans the new steps), or start afresh with a new "
+                "checkpoint location (checkpoint.uri)")
         state = checkpoints.load(path, self.model, self.optimizer)
         self.step = self._saved_step = int(state["step"])
         self.scaler.load_state_dict(state["loss_scaler"])
@@ -349,7 +357,9 @@ class Trainer:
                            "resumes where the checkpoint left it)", self.step,
                            type(loader).__name__)
         if self.ctx.is_main:
-            print(f"dtrain: resumed from {path} at step {self.step}", flush=True)
+            left = ("" if self.step < self.config.steps else
+                    f"; that is the last of its {self.config.steps} steps: nothing left to train")
+            print(f"dtrain: resumed from {path} at step {self.step}{left}", flush=True)
         return self.step
 
     def _log_record(self, window: _Window) -> dict[str, float]:
