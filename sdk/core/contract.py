@@ -360,9 +360,14 @@ class Contract:
         }
 
 
+def host_paths(root: str | None = None) -> Paths:
+    """The contract folders under ``root``: by default ``$DTRAIN_ROOT``, else ``/opt/ml``."""
+    return Paths(os.path.abspath(root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT))
+
+
 def read_contract(root: str | None = None, *, num_gpus: int | None = None) -> Contract:
-    """Read one host's contract from ``root`` (default ``$DTRAIN_ROOT`` or ``/opt/ml``)."""
-    paths = Paths(os.path.abspath(root or os.environ.get(ROOT_ENV) or DEFAULT_ROOT))
+    """Read one host's contract from ``root`` (default: :func:`host_paths`')."""
+    paths = host_paths(root)
     resource = _read_json(paths.resource_config_file, None)
     if resource is None:
         raise FileNotFoundError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from dtrain.core import contract as c
@@ -141,3 +142,20 @@ def test_dtrain_channels_are_not_the_scripts_input_channels(tmp_path):
     assert sorted(contract.channels) == ["train"]
     env = contract.sm_environment()
     assert json.loads(env["SM_CHANNELS"]) == ["train"] and "SM_CHANNEL_DTRAIN_CODE" not in env
+
+
+def test_a_script_run_by_hand_keeps_its_files_under_dtrain_root(tmp_path, monkeypatch):
+    # its checkpoints and model went to /opt/ml whatever DTRAIN_ROOT said, so every run by
+    # hand resumed from whatever an earlier one, of any model, had left there
+    from dtrain.runtime.distributed.context import _from_contract
+
+    monkeypatch.setenv(c.ROOT_ENV, str(tmp_path))
+    paths = _from_contract({})
+    assert (paths["checkpoint_dir"], paths["model_dir"]) == (tmp_path / "checkpoints",
+                                                             tmp_path / "model")
+    monkeypatch.delenv(c.ROOT_ENV)
+    assert _from_contract({c.ROOT_ENV: str(tmp_path / "run2")})["model_dir"] == \
+        tmp_path / "run2" / "model"
+    assert str(_from_contract({})["checkpoint_dir"]) == f"{c.DEFAULT_ROOT}/checkpoints"
+    # a job's own variables win
+    assert _from_contract({"SM_MODEL_DIR": "/job/model"})["model_dir"] == Path("/job/model")

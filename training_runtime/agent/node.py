@@ -64,7 +64,7 @@ def grace_period_from_env() -> int:
 def run(root: str | None = None, *, grace_period_s: int | None = None) -> int:
     """Run this host's share of the job; returns the agent's exit code, which it also leaves in
     ``output/agent_exit.json``: a launcher that lost sight of this process reads it there."""
-    paths = c.Paths(os.path.abspath(root or os.environ.get(c.ROOT_ENV) or c.DEFAULT_ROOT))
+    paths = c.host_paths(root)
     reports.remove_records(paths)  # of an earlier run in this folder
     code = _run_host(paths, grace_period_from_env() if grace_period_s is None else grace_period_s)
     reports.write_exit_record(paths, code)

@@ -409,9 +409,10 @@ def _node_groups(facts: ProcessFacts) -> tuple[dist.ProcessGroup, dist.ProcessGr
 
 
 def _from_contract(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The job's paths and checkpoint settings, as the node agent passes them to workers."""
+    """The job's paths and checkpoint settings, as the node agent passes them to workers; a
+    script run by hand gets the folders under ``$DTRAIN_ROOT`` (default ``/opt/ml``)."""
     env = os.environ if environ is None else environ
-    default = contract.Paths(contract.DEFAULT_ROOT)
+    default = contract.host_paths(env.get(contract.ROOT_ENV))
     channels = {
         key[len("SM_CHANNEL_") :].lower(): Path(value)
         for key, value in env.items()
