@@ -6,7 +6,8 @@ The plan is what every launcher backend builds its request from, and what ``dtra
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from dtrain.core import instances, recipe_inputs
@@ -150,6 +151,10 @@ def plan(spec: JobSpec) -> Plan:
     backend = "gloo" if dist.backend == "gloo" or not inst.has_gpu else "nccl"
     cluster = cluster_for(inst, nodes=compute.instance_count, processes_per_node=ppn,
                           backend=backend, precision=precision)
+    if compute.target == "local" and not inst.has_gpu:
+        # every "host" of a local job is this machine: its workers share its cores
+        share = min(1.0, (os.cpu_count() or 1) / world)
+        cluster = replace(cluster, tflops_per_gpu=cluster.tflops_per_gpu * share)
     work = workload(model, precision, dist.activation_checkpointing) if model else None
     notes: list[str] = []
     if model is not None and model.not_sizes:

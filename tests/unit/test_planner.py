@@ -247,3 +247,15 @@ def test_a_model_folder_without_a_readable_config_is_named_not_a_traceback(tmp_p
     (tmp_path / "gpt-neox-tiny").mkdir()
     monkeypatch.chdir(tmp_path)
     assert plan(script_job(tmp_path, model="gpt-neox-tiny")).model.source == "gpt-neox-tiny"
+
+
+def test_local_cpu_workers_share_this_machine_s_cores(monkeypatch):
+    # each local worker was estimated at a whole CPU's nominal rate: 4 workers on 2 cores were
+    # predicted twice as fast as they could be
+    spec = JobSpec.from_dict({"entry_point": "recipe:causal_lm",
+                              "hyperparameters": {"data": "/data/corpus"},
+                              "compute": {"instance_count": 2, "processes_per_instance": 2}})
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    alone = plan(spec).strategies[0].compute_s
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert plan(spec).strategies[0].compute_s == pytest.approx(2 * alone)
