@@ -175,6 +175,18 @@ def test_local_gpu_needs_this_machine_s_gpus_one_per_worker(monkeypatch):
                                             "processes_per_instance": 3}}))
 
 
+def test_a_local_output_or_checkpoint_path_that_is_a_file_is_refused(tmp_path):
+    # it validated, then the submit failed with "[Errno 17] File exists", naming no field
+    taken = tmp_path / "notes.txt"
+    taken.write_text("x")
+    for field in ("output_path", "checkpoint.uri"):
+        data = {**RECIPE, "hyperparameters": {"data": "/data/corpus"}}
+        section, _, key = field.rpartition(".")
+        (data.setdefault(section, {}) if section else data)[key] = str(taken)
+        assert f"{field}: {str(taken)!r} is a file; a local job writes into a folder" in \
+            problems(data)
+
+
 def test_local_input_paths_resolve_against_the_spec_folder(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.txt").write_text("text")  # a recipe refuses an empty folder

@@ -84,7 +84,11 @@ def local_paths(spec, ctx: Findings) -> None:
             except ValueError as exc:
                 ctx.problems.append(str(exc))
         else:
-            setattr(owner, attr, str(resolve(ctx.base_dir, value)))
+            path = resolve(ctx.base_dir, value)
+            if exists(path) and not path.is_dir():
+                ctx.problems.append(f"{field_name}: {str(path)!r} is a file; a local job writes "
+                                    "into a folder there: give a folder (or a path not taken)")
+            setattr(owner, attr, str(path))
 
 
 def recipe_data(spec, ctx: Findings) -> None:
