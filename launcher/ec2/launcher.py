@@ -62,6 +62,11 @@ if TYPE_CHECKING:
 # `dtrain ec2 gc` leaves a launch it knows no record of alone this long: it may still be launching.
 GC_MIN_AGE_S = 1800.0
 
+# Jobs whose groups (or spared peers) this process already said are not removed yet: a caller
+# waiting polls status every few seconds, through more than one launcher (a waiting submit's
+# progress and its wait), and needs that line once, not each time.
+_TOLD_PENDING: set[Any] = set()
+
 
 class Ec2Launcher(Launcher, aws.AwsBackend):
     """``build_request`` / ``submit`` / ``status`` / ``logs`` / ``stop`` for ``target: ec2``.
@@ -85,9 +90,7 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
         self.assume_yes = assume_yes
         self.confirm = confirm
         self._regional: dict[tuple[str, str | None], Any] = {}
-        # jobs whose groups (or spared peers) this launcher already said are not removed yet: a
-        # caller waiting polls status every few seconds and needs that line once, not each time
-        self._told_pending: set[Any] = set()
+        self._told_pending = _TOLD_PENDING
 
     def client(self, service: str, *, region: str | None = None) -> Any:
         """The client passed in, else one for ``region`` (the job's; default: the launcher's)."""
