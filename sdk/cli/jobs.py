@@ -206,8 +206,9 @@ def _interrupted(record: Any, *, stop: bool) -> None:
     with contextlib.suppress(OSError):
         click.echo(err=True)
         if stopped is not None:
-            click.echo(f"interrupted: stopping job {record.id} ({stopped.status}); it "
-                       "checkpoints and ends within the grace period; see "
+            how = ("its nodes are terminated" if record.target == "ec2" else
+                   "it checkpoints and ends within the grace period")
+            click.echo(f"interrupted: stopping job {record.id} ({stopped.status}); {how}; see "
                        f"`dtrain status {record.id}`", err=True)
         else:
             click.echo(f"interrupted: job {record.id} ({record.name}) keeps running; follow it "
