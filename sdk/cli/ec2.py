@@ -67,12 +67,19 @@ def gc(dry_run: bool, yes: bool, min_age_min: float, include_running: bool,
         click.echo(f"{'would remove' if dry_run else 'remove'} {kind} {name}")
     if dry_run:
         return
-    if not yes and not click.confirm(f"remove these {len(items)} resources?", default=False):
-        raise click.exceptions.Abort()
+    from dtrain.core.errors import DtrainError
+
+    if not yes:
+        try:
+            agreed = click.confirm(f"remove these {len(items)} resources?", default=False)
+        except click.exceptions.Abort:  # no terminal to answer from, or Ctrl-C: a "no"
+            click.echo(err=True)
+            agreed = False
+        if not agreed:
+            raise DtrainError("nothing removed; answer y, or pass --yes to remove them without "
+                              "asking")
     left = launcher.remove(found)
     if left:
-        from dtrain.core.errors import DtrainError
-
         raise DtrainError(f"could not remove {', '.join(left)}; they may still be in use, run "
                           "`dtrain ec2 gc` again in a few minutes")
     click.echo(f"removed {len(items)} resources")

@@ -173,6 +173,12 @@ def test_gc_removes_the_live_peer_and_groups_of_a_job_its_record_says_failed(aws
     target = ec2_target(aws, assume_yes=True)
     record = ended_with_a_live_peer(aws, target, failed_at=failed_long_ago())
     peer = live_instances(aws["ec2"])[0]["InstanceId"]
+    # a "no" (or no terminal to answer) removes nothing: an error, not a Ctrl-C's "aborted"
+    for answer in ("n\n", ""):
+        declined = CliRunner().invoke(ec2_group, ["gc"], input=answer)
+        assert str(declined.exception) == ("nothing removed; answer y, or pass --yes to remove "
+                                           "them without asking")
+        assert [i["InstanceId"] for i in live_instances(aws["ec2"])] == [peer]
     done = CliRunner().invoke(ec2_group, ["gc", "--yes"])  # however young the launch
     assert done.exit_code == 0, done.output
     assert f"remove instance {peer}" in done.output
