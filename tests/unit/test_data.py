@@ -60,14 +60,19 @@ def test_each_epoch_has_its_own_seeded_order():
 def test_resuming_with_a_different_global_batch_is_refused():
     loader = DistributedTokenLoader(_dataset(), window=10, micro_batch_size=4)
     other = DistributedTokenLoader(_dataset(), window=10, micro_batch_size=2)
-    with pytest.raises(ValueError, match="same global micro-batch: micro_batch_size × "
-                                         "data-parallel ranks"):
+    with pytest.raises(ValueError, match=r"global micro-batch of 4, this run has 100 and 2 "
+                                         r"\(2 x 1 ranks\); .*same global micro-batch "
+                                         r"\(micro_batch_size × data-parallel ranks\): here "
+                                         r"micro_batch_size 4 on the 1 data-parallel rank"):
         other.load_state_dict(loader.state_dict())
     # the world size is not what counts: the same ranks with more of them data-parallel (a
     # tensor-parallel pair turned into two shards) double the global micro-batch
     wider = DistributedTokenLoader(_dataset(), window=10, micro_batch_size=4, dp_world_size=2)
-    with pytest.raises(ValueError, match="needs a smaller micro_batch_size"):
+    with pytest.raises(ValueError, match="here micro_batch_size 2 on the 2 data-parallel"):
         wider.load_state_dict(loader.state_dict())
+    odd = DistributedTokenLoader(_dataset(), window=10, micro_batch_size=1, dp_world_size=3)
+    with pytest.raises(ValueError, match="which this run's 3 data-parallel ranks cannot divide"):
+        odd.load_state_dict(loader.state_dict())
 
 
 def test_too_little_data_names_the_fix():

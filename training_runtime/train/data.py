@@ -173,13 +173,18 @@ class DistributedTokenLoader:
         """Continue where ``state`` left off; the data and global batch must be unchanged."""
         saved = (int(state["num_windows"]), int(state["global_batch"]))
         if saved != (self.num_windows, self.global_batch):
+            fits = saved[1] % self.dp_world_size == 0
+            fix = (f"here micro_batch_size {saved[1] // self.dp_world_size} on the "
+                   f"{self.dp_world_size} data-parallel rank(s)" if fits else
+                   f"which this run's {self.dp_world_size} data-parallel ranks cannot divide: "
+                   "change the layout")
             raise ValueError(
                 f"the checkpoint's data position is for {saved[0]} windows and a global "
                 f"micro-batch of {saved[1]}, this run has {self.num_windows} and "
-                f"{self.global_batch}; resume with the same data and seq_len, and the same "
-                "global micro-batch: micro_batch_size × data-parallel ranks (a layout with more "
-                "data-parallel ranks, e.g. tensor parallelism turned off, needs a smaller "
-                "micro_batch_size), or start from a fresh checkpoint folder"
+                f"{self.global_batch} ({self.micro_batch_size} x {self.dp_world_size} ranks); "
+                "resume with the same data and seq_len, and the same global micro-batch "
+                f"(micro_batch_size × data-parallel ranks): {fix}; or start from a fresh "
+                "checkpoint folder"
             )
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
         self._order = None
