@@ -34,6 +34,8 @@ HYPERPARAMETERS = ("model", "data", "steps", "micro_batch_size", "seq_len", "lr"
                    "checkpoint_interval", "keep_last", "seed", "attention",
                    "activation_checkpointing")
 TOKENS_FILE, META_FILE = "tokens.bin", "tokens.json"  # a token channel (dtrain.runtime.train.data)
+# A Hugging Face model folder (dtrain.runtime.models.hf_io): its config and where its weights are
+HF_CONFIG, HF_WEIGHTS, HF_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 BINARY_PROBE_BYTES = 8000  # as git: a NUL byte in a file's first 8000 bytes makes it binary
 MAX_FILES_PROBED = 10_000
 
@@ -69,6 +71,8 @@ def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str, model_known:
     if channels:
         problems += _data_channel_problems(hps, sorted(channels))
     model = hps.get("model") or (DEFAULT_MODELS.get(recipe) if model_known else None)
+    if model:
+        problems += _model_folder_problems(str(model))
     seq_len = _positive_int(hps.get("seq_len", DEFAULTS["seq_len"]))
     positions = model_positions(str(model)) if model else None
     if seq_len and positions and seq_len > positions:
@@ -157,13 +161,25 @@ def missing_data(data: str, channels: Collection[str], *, host: str | None = Non
     return f"hyperparameters.data: {named} is {what}; add it under inputs or fix the name"
 
 
+def _model_folder_problems(model: str) -> list[str]:
+    """A model folder here with a config but no weights: the recipe starts from the weights."""
+    folder = Path(model)
+    if model in presets.PRESETS or not (folder / HF_CONFIG).is_file():
+        return []  # a preset, or a folder elsewhere: the node's checks see it
+    if (folder / HF_WEIGHTS).is_file() or (folder / HF_INDEX).is_file():
+        return []
+    return [(f"hyperparameters.model: {model} has a {HF_CONFIG} but no weights ({HF_WEIGHTS} "
+             f"or {HF_INDEX}), which the recipe starts from; save the model there with "
+             "save_pretrained (safetensors), or name a preset to start from random weights")]
+
+
 def model_positions(model: str) -> int | None:
     """How many token positions ``model`` (a preset or a Hugging Face folder) takes; None when
     unknown (a path that is not here, a config without the field)."""
     config = presets.PRESETS.get(model)
     if config is None:
         try:
-            config = json.loads((Path(model) / "config.json").read_text())
+            config = json.loads((Path(model) / HF_CONFIG).read_text())
         except (OSError, ValueError):
             return None
     positions = config.get("max_position_embeddings") if isinstance(config, dict) else None

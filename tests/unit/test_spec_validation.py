@@ -562,6 +562,20 @@ def test_a_recipe_job_without_inputs_is_warned_before_its_nodes_refuse_it():
         JobSpec.from_dict({**RECIPE, "hyperparameters": {"data": "/data/corpus"}})
 
 
+def test_a_recipe_refuses_a_model_folder_without_weights(tmp_path):
+    # a folder with only config.json validated and planned, then every worker failed loading it
+    folder = tmp_path / "mymodel"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt_neox", "hidden_size": 64, '
+                                        '"num_hidden_layers": 2, "vocab_size": 256}')
+    data = {**RECIPE, "hyperparameters": {"data": "/data/corpus", "model": str(folder)}}
+    assert (f"hyperparameters.model: {folder} has a config.json but no weights "
+            "(model.safetensors or model.safetensors.index.json), which the recipe starts "
+            "from") in problems(data)
+    (folder / "model.safetensors").write_bytes(b"")
+    assert JobSpec.from_dict(data).hyperparameters["model"] == str(folder)
+
+
 def test_a_recipe_refuses_local_data_it_cannot_train_on_naming_the_channel(tmp_path):
     tokens = tmp_path / "tokens"
     tokens.mkdir()

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from dtrain.core import recipe_inputs
 from dtrain.runtime.models import build_model
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME = (recipe_inputs.HF_CONFIG, recipe_inputs.HF_WEIGHTS,
+                                         recipe_inputs.HF_INDEX)
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
