@@ -315,7 +315,14 @@ def stop(job: str, wait: bool, output: str) -> None:
 
     # as last recorded, before the stop (its own note on a shared name comes with the stop)
     ended = jobs.find(job, on_note=lambda _line: None).status in (COMPLETED, FAILED)
-    record = jobs.stop(job, wait=wait)
+    record = jobs.stop(job)
+    if wait:
+        try:
+            record = jobs.wait_for(record.id)
+        except KeyboardInterrupt:
+            click.echo(f"\ninterrupted: the stop was sent; job {record.id} ({record.status}) "
+                       f"ends on its own; see `dtrain status {record.id}`", err=True)
+            raise SystemExit(130) from None
     if output == "json":
         echo_json(record.to_dict())
     else:

@@ -66,6 +66,31 @@ def test_ctrl_c_while_waiting_leaves_the_job_running_and_says_how_to_follow_or_s
     assert result.returncode == 130 and f"interrupted: job {job} (patient) keeps running" \
         in result.stderr
     assert jobs.stop(job, wait=True, timeout_s=60).status == "Stopped"
+    # Ctrl-C while `dtrain stop --wait` waits: the stop stands, and it says so ("aborted" only)
+    ignoring = write_job(tmp_path, "import signal, time\nsignal.signal(signal.SIGTERM, "
+                         "signal.SIG_IGN)\nprint('up', flush=True)\ntime.sleep(300)\n")
+    monkeypatch.setenv("DTRAIN_STOP_GRACE_PERIOD", "8")  # the wait outlasts the Ctrl-C
+    job = json.loads(dtrain("submit", ignoring, "--no-wait", "-o", "json").stdout)["id"]
+    deadline = time.monotonic() + 60
+    while "up" not in dtrain("logs", job).stdout:  # its SIGTERM is ignored from here on
+        assert time.monotonic() < deadline, jobs.get(job).status
+        time.sleep(0.2)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        waiting = subprocess.Popen([sys.executable, "-m", "dtrain.cli.main", "stop", job,
+                                    "--wait"], stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    while jobs.get(job).status != "Stopping":
+        assert time.monotonic() < deadline, jobs.get(job).status
+        time.sleep(0.2)
+    time.sleep(1)  # recorded by the stop call: let it return and the wait begin
+    waiting.send_signal(signal.SIGINT)
+    _, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == 130, err
+    assert f"interrupted: the stop was sent; job {job} (Stopping) ends on its own" in err
+    assert jobs.wait_for(job, timeout_s=60).status == "Stopped"  # the grace period ends it
+    monkeypatch.setenv("DTRAIN_STOP_GRACE_PERIOD", "2")
     # so is a SIGTERM (`timeout`, a cancelled CI job): it stopped nothing, without a word
     result, job = _interrupt_waiting_submit(spec, "--stop-on-interrupt", sig=signal.SIGTERM)
     assert result.returncode == 130 and f"interrupted: stopping job {job}" in result.stderr
