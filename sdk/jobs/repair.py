@@ -10,6 +10,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 
+from dtrain.core.errors import DtrainError
 from dtrain.core.paths import default_db_path
 from dtrain.jobs import store as job_store
 
@@ -77,25 +78,36 @@ def whole_store_jobs(path: str) -> int | None:
 
 def repair(path: str | None = None, *, force: bool = False) -> Repair:
     """Rebuild the store at ``path`` (module doc); a whole store is left as it is unless
-    ``force``."""
+    ``force``. The damaged file (with its ``-wal`` and ``-shm``) is moved aside first and read
+    there, so a job another command saves meanwhile lands in the new store, not in the old one.
+    A record the store holds but cannot read is taken from the backup where that reads."""
     path = os.path.abspath(path or default_db_path())
+    if os.path.isdir(path):
+        raise DtrainError(f"{path} is a folder, not a job store; point DTRAIN_JOBS_DB (or "
+                          "DTRAIN_HOME) at the store's file")
     report = Repair(path=path)
     whole = None if force else whole_store_jobs(path)
     if whole is not None:
         report.kept, report.healthy = whole, True
         return report
-    rows: dict[str, tuple] = {row[0]: row for row in readable_rows(path)}
-    for row in readable_rows(path + ".bak"):
-        if row[0] not in rows:
-            rows[row[0]] = row
-            report.from_backup += 1
-    if os.path.exists(path):
-        report.moved_aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(path, report.moved_aside)
-    for suffix in ("-wal", "-shm"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path + suffix)
-    fresh = job_store.JobStore(path)
+    source = path
+    try:
+        if os.path.exists(path):
+            report.moved_aside = source = _aside(path)
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(path + suffix, source + suffix)
+        rows: dict[str, tuple] = {row[0]: row for row in readable_rows(source)}
+        for row in readable_rows(path + ".bak"):
+            mine = rows.get(row[0])
+            if mine is None or (not _readable_json(mine) and _readable_json(row)):
+                rows[row[0]] = row
+                report.from_backup += 1
+        fresh = job_store.JobStore(path)
+    except OSError as exc:
+        raise DtrainError(f"could not repair the job store at {path}: {exc.strerror or exc}"
+                          f" ({exc.filename or path}); check that its folder is writable"
+                          ) from None
     for job_id, row in rows.items():
         if not _readable_json(row):
             report.unreadable.append(job_id)
@@ -104,3 +116,13 @@ def repair(path: str | None = None, *, force: bool = False) -> Repair:
         report.kept += 1
     report.from_backup = min(report.from_backup, report.kept)
     return report
+
+
+def _aside(path: str) -> str:
+    """A name for the damaged file that no earlier repair took (two can come in one second)."""
+    stem = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    name, n = stem, 1
+    while os.path.exists(name):
+        n += 1
+        name = f"{stem}-{n}"
+    return name

@@ -10,6 +10,7 @@ import subprocess
 from functools import partial
 
 import _cli
+import pytest
 from dtrain.jobs.store import JobStore
 
 # check=False: the exit code is what these tests assert on
@@ -73,6 +74,11 @@ def test_a_row_with_damaged_json_is_listed_as_unreadable_and_the_rest_still_work
     assert "unreadable" in line and "job-0" in listing.stdout
     error = one_line_error(dtrain("status", bad.id))
     assert "its stored record is unreadable" in error and "dtrain store repair" in error
+    if os.path.exists(store.backup_path):  # unreadable in the backup too: nowhere to read it
+        conn = sqlite3.connect(store.backup_path)
+        conn.execute("UPDATE jobs SET spec = '{not json' WHERE id = ?", (bad.id,))
+        conn.commit()
+        conn.close()
     repaired = dtrain("store", "repair")
     assert f"removed 1 unreadable record(s): {bad.id}" in repaired.stdout
     records = json.loads(dtrain("list", "--no-refresh", "-o", "json").stdout)
@@ -126,3 +132,31 @@ def test_repair_leaves_a_whole_store_as_it_is(dtrain_home):
     assert not [name for name in os.listdir(dtrain_home) if ".damaged-" in name]
     forced = dtrain("store", "repair", "--force")
     assert "kept 2 job(s)" in forced.stdout and "the damaged file is at" in forced.stdout
+
+
+def test_repair_takes_a_damaged_record_from_the_backup_and_refuses_what_is_no_store(dtrain_home,
+                                                                                   tmp_path):
+    from dtrain.core.errors import DtrainError
+    from dtrain.jobs.repair import repair
+
+    store = stored_jobs(2)
+    store._backup(force=True)  # the daily backup, with both records whole
+    conn = sqlite3.connect(store.path)
+    conn.execute("UPDATE jobs SET target_data = '{broken' WHERE name = 'job-0'")
+    conn.commit()
+    conn.close()
+    # the store's damaged row hid the backup's readable one, and the job was dropped
+    report = repair()
+    assert (report.kept, report.from_backup, report.unreadable) == (2, 1, [])
+    assert sorted(r.name for r in JobStore().list()) == ["job-0", "job-1"]
+    again = repair(force=True)  # in the same second: the first damaged file stays
+    assert again.moved_aside != report.moved_aside and os.path.isfile(report.moved_aside)
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    with pytest.raises(DtrainError, match="is a folder, not a job store"):
+        repair(str(folder))
+    assert folder.is_dir()  # not moved aside as "damaged"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(DtrainError, match=r"cannot create the job store's folder .*a-file"):
+        repair(str(blocker / "jobs.db"))  # a traceback before
