@@ -264,9 +264,10 @@ class Ec2Launcher(Launcher, aws.AwsBackend):
     # ---------------------------------------------------------------- logs and stop
 
     def hosts(self, handle: Handle) -> list[str] | None:
-        """The nodes (private IPs) that uploaded logs so far (None: none yet)."""
+        """Once the job ended, the nodes (private IPs) that uploaded logs (None before: a node
+        uploads its first every 30 s)."""
         state = state_of(handle)
-        if state.launch_token is None:
+        if state.launch_token is None or not handle.is_final:
             return None
         prefix = state.prefix or self.describe(handle)["prefix"]
         found = {log.host for log in s3_logs.log_objects(self._clients_of(handle)[1], prefix)}

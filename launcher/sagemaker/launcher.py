@@ -323,7 +323,10 @@ class SageMakerLauncher(Launcher, aws.AwsBackend):
         return update
 
     def hosts(self, handle: Handle) -> list[str] | None:
-        """The hosts that wrote a log stream so far (None: none yet)."""
+        """Once the job ended, the hosts that wrote a log stream (None before: a host that has
+        not written yet may still start)."""
+        if not handle.is_final:
+            return None
         reader = LogReader(self.client_in("logs", handle.state.region), _job_name(handle))
         return reader.hosts() or None
 

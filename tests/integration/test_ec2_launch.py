@@ -688,7 +688,11 @@ def test_logs_merge_the_nodes_own_logs_in_time_order_in_the_format_of_every_targ
                       "[10.0.0.2 2]:restarted", "[10.0.0.1] agent: workers exited"]
     assert logs(rank=2) == ["[10.0.0.2 2]:step 1", "[10.0.0.2 2]:restarted"]
     assert logs(host="10.0.0.1", rank=0) == ["[10.0.0.1 0]:step 1"]
-    # a host of no node (the other targets' algo-2) is refused, not answered with no lines
+    # while it runs, a node may not have uploaded its first log yet: no lines, no refusal
+    assert logs(host="10.0.0.3") == []
+    # once it ended, a host of no node (the other targets' algo-2) is refused, not answered
+    # with no lines
+    target.stop(record)
     with pytest.raises(SpecError, match=rf"--host 'algo-1': job {record.id} runs on 10.0.0.1, "
                                         r"10.0.0.2$"):
         logs(host="algo-1")
