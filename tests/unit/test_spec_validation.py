@@ -166,13 +166,18 @@ def test_local_gpu_needs_this_machine_s_gpus_one_per_worker(monkeypatch):
     gpu = {**RECIPE, "hyperparameters": {"data": "/data/corpus"},
            "compute": {"instance_type": "local_gpu"}}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert ("compute.instance_type: 'local_gpu' runs on this machine's NVIDIA GPUs, and it has "
-            "none") in problems(gpu)
+    assert ("compute.instance_type: 'local_gpu' runs on this machine's GPUs, and it has none"
+            ) in problems(gpu)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert JobSpec.from_dict(gpu).compute.instance_type == "local_gpu"
-    assert ("compute.processes_per_instance: 3 workers, but this machine has 2 GPU(s)"
+    assert ("compute: 1 host(s) × 3 workers on this machine's 2 GPU(s)"
             in problems({**gpu, "compute": {"instance_type": "local_gpu",
                                             "processes_per_instance": 3}}))
+    # every emulated host runs on the same GPUs
+    assert ("compute: 2 host(s) × 2 workers on this machine's 2 GPU(s)"
+            in problems({**gpu, "compute": {"instance_type": "local_gpu", "instance_count": 2}}))
+    assert JobSpec.from_dict({**gpu, "compute": {"instance_type": "local_gpu", "instance_count": 2,
+                                                 "processes_per_instance": 1}})
 
 
 def test_a_local_output_or_checkpoint_path_that_is_a_file_is_refused(tmp_path):

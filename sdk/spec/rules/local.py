@@ -12,6 +12,8 @@ from dtrain.spec.rules.common import Findings, exists, resolve
 # than MAX_PROCESSES_PER_CORE it is refused unless the spec says compute.oversubscribe.
 SLOW_PROCESSES_PER_CORE = 2
 MAX_PROCESSES_PER_CORE = 4
+# GPUs that have no /dev/nvidia* node: WSL2's (/dev/dxg) and AMD's under ROCm (/dev/kfd)
+OTHER_GPU_DEVICES = ("/dev/dxg", "/dev/kfd")
 
 
 def fits_this_machine(spec, ctx: Findings) -> None:
@@ -35,22 +37,28 @@ def fits_this_machine(spec, ctx: Findings) -> None:
 
 
 def gpus_here(spec, ctx: Findings) -> None:
-    """``local_gpu`` runs a worker per GPU of this machine: without one it would train on the
-    CPU under a GPU's plan (nccl, bf16), and more workers than GPUs share none."""
-    if spec.compute.instance.name != "local_gpu":
+    """``local_gpu`` runs a worker per GPU of this machine, every emulated host on the same
+    GPUs: without one it would train on the CPU under a GPU's plan (nccl, bf16), and more
+    workers than GPUs share one, which NCCL refuses."""
+    compute = spec.compute
+    if compute.instance.name != "local_gpu":
         return
     gpus = contract.count_gpus()
-    processes = spec.compute.processes_per_instance
     if gpus == 0:
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is None and any(
+                os.path.exists(device) for device in OTHER_GPU_DEVICES):
+            return  # GPUs without /dev/nvidia* (WSL2, ROCm): the node agent counts them
         ctx.problems.append(
-            "compute.instance_type: 'local_gpu' runs on this machine's NVIDIA GPUs, and it has "
-            "none (no /dev/nvidia* device, or CUDA_VISIBLE_DEVICES hides them); use "
-            "instance_type 'local' to train on its CPU")
-    elif processes is not None and processes > gpus:
+            "compute.instance_type: 'local_gpu' runs on this machine's GPUs, and it has none "
+            "(no /dev/nvidia* device, or CUDA_VISIBLE_DEVICES hides them); use instance_type "
+            "'local' to train on its CPU")
+        return
+    per_host = compute.processes_per_instance or gpus
+    if compute.instance_count * per_host > gpus:
         ctx.problems.append(
-            f"compute.processes_per_instance: {processes} workers, but this machine has {gpus} "
-            f"GPU(s) and each worker needs its own; set it to {gpus} or fewer, or leave it out "
-            "(a worker per GPU)")
+            f"compute: {compute.instance_count} host(s) × {per_host} workers on this machine's "
+            f"{gpus} GPU(s), and each worker needs its own; give instance_count × "
+            f"processes_per_instance at most {gpus}")
 
 
 def no_spot(spec, ctx: Findings) -> None:
