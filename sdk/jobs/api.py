@@ -9,6 +9,7 @@ made for it (``pending_cleanup``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -138,6 +139,8 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     launcher = launcher_for(spec.compute.target, clients)
     request = launcher.build_request(spec, plan(spec), job or identity(spec, launcher))
     store = store or JobStore()
+    if spec.checkpoint.uri:
+        _refuse_a_checkpoint_location_in_use(spec.checkpoint.uri, launcher, store)
     from dtrain.launcher import process
 
     record = store.create(job_id=request.job.id, name=request.job.name, target=launcher.name,
@@ -170,6 +173,26 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     if wait or follow:
         return wait_for(record.id, store=store, clients=clients)
     return store.get(record.id)
+
+
+def _refuse_a_checkpoint_location_in_use(location: str, launcher: Launcher,
+                                         store: JobStore) -> None:
+    """Two jobs on one checkpoint location write, and prune, each other's checkpoints: refuse a
+    job whose location one of the target's jobs that has not ended keeps its checkpoints in."""
+    for record in store.list(target=launcher.name):
+        if record.is_final or record.problem:
+            continue
+        theirs = handle_of(record, launcher).state.checkpoints
+        if not theirs or theirs.rstrip("/") != location.rstrip("/"):
+            continue
+        with contextlib.suppress(DtrainError):  # cannot ask: taken as still running
+            record = refresh(record, launcher, store)
+        if not record.is_final:
+            raise DtrainError(
+                f"checkpoint.uri: job {record.id} ({record.name}) is still {record.status} with "
+                f"its checkpoints in {location}, and two jobs would write and prune the same "
+                f"ones; stop it first (dtrain stop {record.id} --wait), or give this job "
+                "another checkpoint.uri")
 
 
 def resume_from(record: JobRecord, *,

@@ -211,7 +211,8 @@ def test_resume_uses_the_jobs_checkpoint_location_on_the_same_target(tmp_path):
 
 def test_a_stopped_or_failed_job_with_a_checkpoint_says_how_to_resume_it(tmp_path):
     store = JobStore()
-    spec = {"name": "tiny", "entry_point": "recipe:causal_lm"}
+    spec = {"name": "tiny", "entry_point": "recipe:causal_lm", "compute": {"target": "local"},
+            "hyperparameters": {"data": "/data/corpus"}}
     saved, empty = tmp_path / "saved", tmp_path / "empty"
     (saved / "step-000040").mkdir(parents=True)
     (saved / "step-000040" / "COMPLETE").write_text("")
@@ -249,6 +250,11 @@ def test_a_stopped_or_failed_job_with_a_checkpoint_says_how_to_resume_it(tmp_pat
                         target_data={"checkpoints": str(saved), "secondary_status": "MonitorGone"})
     refused = dtrain("submit", "--resume", busy.id)
     assert f"job {busy.id} is still Running; stop it first" in refused.stderr
+    # and so would resuming the job it resumed: both keep their checkpoints in one folder
+    refused = dtrain("submit", "--resume", stopped.id)
+    assert refused.returncode == 1
+    assert (f"checkpoint.uri: job {busy.id} (tiny-busy) is still Running with its checkpoints "
+            f"in {saved}") in refused.stderr
     moved = dtrain("submit", "--resume", stopped.id, "--set", "checkpoint.uri=/elsewhere")
     assert moved.returncode == 2 and "--resume sets checkpoint.uri" in moved.stderr
 
