@@ -82,3 +82,14 @@ def test_a_checkpoint_of_another_model_is_refused_instead_of_loaded_in_part(
     with pytest.raises(ValueError, match=r"was written by a different model: it lacks this "
                                          r"model's .*; it holds "):
         manager.load(saved, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1))
+
+    # the same names and shapes, tied otherwise: the saved head would have become the embedding
+    untied = from_preset("gpt2-tiny", tie_word_embeddings=False)
+    saved = manager.save(6, untied, torch.optim.SGD(untied.parameters(), lr=0.1),
+                         {"data_position": 0})
+    with pytest.raises(ValueError, match=r"different model: one parameter under several names "
+                                         r"there: none, and here: lm_head.weight = "
+                                         r"transformer.wte.weight\."):
+        manager.load(saved, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1))
+    tied = manager.save(7, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1), {"data_position": 0})
+    assert manager.load(tied, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1))["step"] == 7

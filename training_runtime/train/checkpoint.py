@@ -185,6 +185,7 @@ class CheckpointManager:
         dist.barrier()
         tmp.mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
+        ties = all_tie_groups(model)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         (tmp / "rng").mkdir(exist_ok=True)
         rng = io.BytesIO()
@@ -199,7 +200,8 @@ class CheckpointManager:
             _write_synced(tmp / TRAINER_STATE, json.dumps({"step": step, **trainer_state}))
             _write_synced(tmp / COMPLETE, json.dumps({"step": step,
                                                       "world_size": dist.get_world_size(),
-                                                      "state_layout": state_layout(model)}))
+                                                      "state_layout": state_layout(model),
+                                                      "tied": ties}))
             # a folder of this step already here is one resume passed over (files missing)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -276,7 +278,7 @@ class CheckpointManager:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         options = StateDictOptions() if _LIST_GROUPS in saved else FLAT_OPTIMIZER
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        check_parameters(path, saved, model_sd)  # another model's: names or shapes differ
+        check_parameters(path, saved, model_sd, model)  # another model's: names, shapes, ties
         check_state_layout(path, model)  # this model's, laid out as an older dtrain did
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
@@ -316,22 +318,47 @@ def check_state_layout(path: Path, model: nn.Module) -> None:
             "folder, in Hugging Face format), or resume it with the dtrain that wrote it")
 
 
-def check_parameters(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]) -> None:
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter this rank's ``model`` uses under several names (tied
+    embeddings), sorted."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return sorted(sorted(group) for group in names.values() if len(group) > 1)
+
+
+def all_tie_groups(model: nn.Module) -> list[list[str]]:
+    """:func:`tie_groups` of every rank's part of the model (collective)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tie_groups(model))
+    return sorted({tuple(group) for groups in everyone for group in groups}, key=list)
+
+
+def check_parameters(path: Path, saved: dict[str, Any], model_sd: dict[str, Any],
+                     module: nn.Module) -> None:
     """Refuse a checkpoint of another model: DCP loads the tensors the model asks for and ignores
     the rest, so a model with fewer layers resumed silently from part of the weights (and one
-    with more failed on a bare missing key). Every rank gathers every rank's names and shapes
-    (a pipeline stage holds only its own), so all raise the same error or none does."""
+    with more failed on a bare missing key); a tied embedding loaded the saved head into both.
+    Every rank gathers every rank's names, shapes and ties (a pipeline stage holds only its
+    own), so all raise the same error or none does."""
     ours = {f"model.{name}": tuple(value.shape) for name, value in model_sd.items()
             if isinstance(value, torch.Tensor)}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, ours)
-    model = {name: shape for rank_names in everyone for name, shape in rank_names.items()}
+    dist.all_gather_object(everyone, (ours, tie_groups(module)))
+    model = {name: shape for rank_names, _ in everyone for name, shape in rank_names.items()}
+    ties = sorted({tuple(group) for _, groups in everyone for group in groups}, key=list)
     stored = {name: tuple(meta.size) for name, meta in saved.items()
               if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     lacks = [name for name in model if name not in stored]  # in the models' own order
     extra = [name for name in stored if name not in model]
     reshaped = [name for name in model if name in stored and model[name] != stored[name]]
-    if not (lacks or extra or reshaped):
+    try:  # recorded since ties were checked; None before
+        saved_ties = json.loads((path / COMPLETE).read_text()).get("tied")
+    except (OSError, ValueError, AttributeError):
+        saved_ties = None
+    tied_there = [] if saved_ties is None else sorted(tuple(g) for g in saved_ties)
+    retied = saved_ties is not None and tied_there != [tuple(g) for g in ties]
+    if not (lacks or extra or reshaped or retied):
         return
 
     def names(found: list[str]) -> str:
@@ -342,10 +369,17 @@ def check_parameters(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]
         [f"it holds {names(extra)}, which this model has not"] if extra else []) + [
         f"{name[len('model.'):]} is {list(stored[name])} there and {list(model[name])} here"
         for name in reshaped[:3]]
+    if retied:
+        differences.append(f"one parameter under several names there: {_ties(tied_there)}, "
+                           f"and here: {_ties(ties)}")
     raise ValueError(
         f"checkpoint {path} was written by a different model: {'; '.join(differences)}. "
         "Resume it with the model settings that wrote it, or start afresh with a new "
         "checkpoint location (checkpoint.uri)")
+
+
+def _ties(groups: list) -> str:
+    return ", ".join(" = ".join(group) for group in groups) if groups else "none"
 
 
 PARTIAL_SUFFIX = ".dtrain-partial"
