@@ -296,6 +296,7 @@ def test_a_run_of_fewer_steps_than_its_checkpoint_is_refused_not_completed_untra
         with pytest.raises(ValueError, match=r"step-000002 is at step 2, past the 1 steps this "
                                              r"run trains to; give steps above 2"):
             _tiny_fit(1)
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the Trainer's, left behind
         _, same = _tiny_fit(2)  # a restart after the last checkpoint: only the model is saved
     finally:
         torch.distributed.destroy_process_group()

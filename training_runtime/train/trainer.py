@@ -190,7 +190,11 @@ class Trainer:
         """Train to ``config.steps`` optimizer steps, resuming from the newest checkpoint."""
         self.stop.install()
         checkpoints = CheckpointManager(self.checkpoint_dir, keep_last=self.keep_last)
-        result = FitResult(step=0, resumed_from=self._resume(checkpoints, loader))
+        try:
+            result = FitResult(step=0, resumed_from=self._resume(checkpoints, loader))
+        except BaseException:  # a checkpoint refused: the caller's SIGTERM is its own again
+            self.stop.uninstall()
+            raise
         logger = m.MetricsLogger(output_dir=self.output_dir, enabled=self.ctx.is_main)
         window = _Window()
         batches = _epochs(loader)
