@@ -70,6 +70,10 @@ def test_resuming_with_a_different_global_batch_is_refused():
     wider = DistributedTokenLoader(_dataset(), window=10, micro_batch_size=4, dp_world_size=2)
     with pytest.raises(ValueError, match="here micro_batch_size 2 on the 2 data-parallel"):
         wider.load_state_dict(loader.state_dict())
+    other_data = DistributedTokenLoader(_dataset(120), window=10, micro_batch_size=4)
+    with pytest.raises(ValueError, match=r"\(micro_batch_size × data-parallel ranks\): as it is "
+                                         r"here; or start"):  # the data changed, not the batch
+        other_data.load_state_dict(loader.state_dict())
     odd = DistributedTokenLoader(_dataset(), window=10, micro_batch_size=1, dp_world_size=3)
     with pytest.raises(ValueError, match="which this run's 3 data-parallel ranks cannot divide"):
         odd.load_state_dict(loader.state_dict())

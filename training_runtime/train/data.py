@@ -174,7 +174,8 @@ class DistributedTokenLoader:
         saved = (int(state["num_windows"]), int(state["global_batch"]))
         if saved != (self.num_windows, self.global_batch):
             fits = saved[1] % self.dp_world_size == 0
-            fix = (f"here micro_batch_size {saved[1] // self.dp_world_size} on the "
+            fix = ("as it is here" if saved[1] == self.global_batch else
+                   f"here micro_batch_size {saved[1] // self.dp_world_size} on the "
                    f"{self.dp_world_size} data-parallel rank(s)" if fits else
                    f"which this run's {self.dp_world_size} data-parallel ranks cannot divide: "
                    "change the layout")
