@@ -142,8 +142,8 @@ def _print_transition(record: Any) -> None:
               help="EC2: launch without asking, even when max_run could cost more than "
                    "ec2.confirm_above_usd.")
 @click.option("--stop-on-interrupt", is_flag=True,
-              help="Ctrl-C while waiting stops the job (SIGTERM, so it checkpoints) instead of "
-                   "leaving it running.")
+              help="Ctrl-C (or a hang-up or SIGTERM) while waiting stops the job (SIGTERM, so "
+                   "it checkpoints) instead of leaving it running.")
 @OUTPUT_OPTION
 def submit(spec_path: str | None, overrides: tuple[str, ...], target: str | None,
            resume: str | None, wait: bool, follow: bool, dry_run: bool, yes: bool,
