@@ -163,10 +163,6 @@ def submit(spec_path: str | None, overrides: tuple[str, ...], target: str | None
         raise click.UsageError(f"{'--follow' if follow else '--stop-on-interrupt'} waits for the "
                                "job to end; drop --no-wait, or that flag")
     spec = load_spec(spec_path, overrides, target) if spec_path else None
-    if resume and any(item.split("=", 1)[0].strip() == "checkpoint.uri" for item in overrides):
-        raise click.UsageError("--resume sets checkpoint.uri to where JOB kept its checkpoints; "
-                               "to train from another folder, submit a spec with --set "
-                               "checkpoint.uri=... and no --resume")
     if resume:
         spec = jobs.resume_spec(resume, spec=spec, overrides=None if spec_path else
                                 [*overrides, *([f"compute.target={target}"] if target else [])])

@@ -264,6 +264,13 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
     from dtrain.spec.base import takes_text
     from dtrain.spec.io import apply_overrides
 
+    given = spec.checkpoint.uri if spec is not None else next(
+        (item.split("=", 1)[1].strip() for item in overrides or []
+         if item.split("=", 1)[0].strip() == "checkpoint.uri" and "=" in item), None)
+    if given and given.rstrip("/") != location.rstrip("/"):
+        raise SpecError(f"--resume {job} continues from {location}, where the job kept its "
+                        f"checkpoints, and checkpoint.uri says {given}; leave checkpoint.uri "
+                        "out, or submit without --resume to train from that location")
     data = spec.to_dict() if spec is not None else apply_overrides(
         record.spec, overrides or [], text_at=lambda parts: takes_text(JobSpec, parts))
     if data.get("compute", {}).get("target") != record.target:

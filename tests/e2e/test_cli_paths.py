@@ -14,8 +14,10 @@ from functools import partial
 
 import _cli
 import pytest
+from dtrain.core.errors import SpecError
 from dtrain.jobs import api as jobs
 from dtrain.jobs.store import JobStore
+from dtrain.spec.model import JobSpec
 
 # check=False: the exit code is what these tests assert on
 dtrain = partial(_cli.dtrain, check=False, timeout=120)
@@ -256,7 +258,12 @@ def test_a_stopped_or_failed_job_with_a_checkpoint_says_how_to_resume_it(tmp_pat
     assert (f"checkpoint.uri: job {busy.id} (tiny-busy) is still Running with its checkpoints "
             f"in {saved}") in refused.stderr
     moved = dtrain("submit", "--resume", stopped.id, "--set", "checkpoint.uri=/elsewhere")
-    assert moved.returncode == 2 and "--resume sets checkpoint.uri" in moved.stderr
+    assert moved.returncode == 2
+    assert (f"--resume {stopped.id} continues from {saved}, where the job kept its checkpoints, "
+            "and checkpoint.uri says /elsewhere") in moved.stderr
+    with pytest.raises(SpecError, match="checkpoint.uri says /elsewhere"):  # so from Python
+        jobs.resume_spec(stopped.id, spec=JobSpec.from_dict(
+            {**spec, "checkpoint": {"uri": "/elsewhere"}}))
 
 
 def test_a_hang_up_or_sigterm_is_a_ctrl_c_unless_ignored():
