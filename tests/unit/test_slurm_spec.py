@@ -142,3 +142,11 @@ def test_validate_prints_every_problem_and_exits_2(tmp_path):
     assert "slurm.shared_dir: required for target slurm" in done.stderr
     assert "slurm.extra_sbatch: '--nodes=9' is set by dtrain from compute.instance_count" \
         in done.stderr
+
+
+def test_a_checkpoint_folder_under_a_file_is_refused(tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("x")
+    assert problem(slurm_spec(checkpoint={"uri": str(taken / "ckpt")})) == (
+        f"checkpoint.uri: {str(taken)!r} is a file; the job writes into a folder there: give a "
+        "folder (or a path not taken)")

@@ -188,8 +188,10 @@ def test_a_local_output_or_checkpoint_path_that_is_a_file_is_refused(tmp_path):
         data = {**RECIPE, "hyperparameters": {"data": "/data/corpus"}}
         section, _, key = field.rpartition(".")
         (data.setdefault(section, {}) if section else data)[key] = str(taken)
-        assert f"{field}: {str(taken)!r} is a file; a local job writes into a folder" in \
+        assert f"{field}: {str(taken)!r} is a file; the job writes into a folder" in \
             problems(data)
+        (data.setdefault(section, {}) if section else data)[key] = str(taken / "out")
+        assert f"{field}: {str(taken)!r} is a file" in problems(data)  # a folder under it
 
 
 def test_local_input_paths_resolve_against_the_spec_folder(tmp_path):

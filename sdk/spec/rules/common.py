@@ -186,6 +186,16 @@ def exists(path: Path) -> bool:
         return False
 
 
+def file_in_the_way(field_name: str, path: Path) -> str | None:
+    """The problem of a folder to write into (``path``) where a file is, or is one of its
+    parents (the job would fail making it, naming no field)."""
+    taken = next((p for p in (path, *path.parents) if exists(p)), None)
+    if taken is None or taken.is_dir():
+        return None
+    return (f"{field_name}: {str(taken)!r} is a file; the job writes into a folder there: give a "
+            "folder (or a path not taken)")
+
+
 def channel_names(spec, ctx: Findings) -> None:
     """``dtrain_*`` channels carry dtrain's own code; the contract hides them from scripts."""
     for channel in spec.inputs:

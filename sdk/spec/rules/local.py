@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from dtrain.core import contract, recipe_inputs, s3
-from dtrain.spec.rules.common import Findings, exists, resolve
+from dtrain.spec.rules.common import Findings, exists, file_in_the_way, resolve
 
 # A local job with more worker processes than this many per core is likely to crawl; with more
 # than MAX_PROCESSES_PER_CORE it is refused unless the spec says compute.oversubscribe.
@@ -93,9 +93,7 @@ def local_paths(spec, ctx: Findings) -> None:
                 ctx.problems.append(str(exc))
         else:
             path = resolve(ctx.base_dir, value)
-            if exists(path) and not path.is_dir():
-                ctx.problems.append(f"{field_name}: {str(path)!r} is a file; a local job writes "
-                                    "into a folder there: give a folder (or a path not taken)")
+            ctx.problems += filter(None, [file_in_the_way(field_name, path)])
             setattr(owner, attr, str(path))
 
 

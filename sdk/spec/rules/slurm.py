@@ -12,7 +12,7 @@ import re
 import sys
 
 from dtrain.core import s3
-from dtrain.spec.rules.common import Findings, resolve
+from dtrain.spec.rules.common import Findings, file_in_the_way, resolve
 from dtrain.spec.rules.local import no_spot
 from dtrain.spec.rules.sagemaker import image_torch
 
@@ -57,7 +57,9 @@ def shared_folder(spec, ctx: Findings) -> None:
         ctx.problems.append(f"checkpoint.uri: {uri!r}: Slurm nodes checkpoint to the shared "
                             "file system; give a folder there, e.g. /fsx/checkpoints/my-job")
     elif uri is not None:
-        spec.checkpoint.uri = str(resolve(ctx.base_dir, uri))
+        path = resolve(ctx.base_dir, uri)
+        spec.checkpoint.uri = str(path)
+        ctx.problems += filter(None, [file_in_the_way("checkpoint.uri", path)])
     for channel, value in list(spec.inputs.items()):
         if not s3.is_s3_uri(value):  # S3 is downloaded into the job's folder at submit
             spec.inputs[channel] = str(resolve(ctx.base_dir, value))
