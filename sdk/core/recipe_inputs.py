@@ -140,9 +140,9 @@ def no_inputs_note(hps: Mapping[str, Any]) -> list[str]:
     data = str(hps.get("data", DEFAULTS["data"]))
     if "/" in data or "." in data:
         return []
-    return [missing_data(data, (), default="data" not in hps).replace(
-        "; add it", ": the nodes will refuse the job unless a folder of that name is in their "
-        "working directory; add it", 1)]
+    return [missing_data(data, (), default="data" not in hps,
+                         fix="the nodes will refuse the job unless a folder of that name is in "
+                             "their working directory: add it under inputs or fix the name")]
 
 
 def find_channel(name: str, channels: Collection[str]) -> str | None:
@@ -152,13 +152,13 @@ def find_channel(name: str, channels: Collection[str]) -> str | None:
 
 
 def missing_data(data: str, channels: Collection[str], *, host: str | None = None,
-                 default: bool = False) -> str:
+                 default: bool = False, fix: str = "add it under inputs or fix the name") -> str:
     """The problem of a recipe's ``data`` that is no channel of the job (nor, on ``host``, a
     path); ``default``: the hyperparameters left it at the recipe's default."""
     named = f"{data!r} (the default)" if default else repr(data)
     listed = f"a channel of this job ({', '.join(sorted(channels)) or 'none'})"
     what = f"neither {listed} nor a path on {host}" if host else f"not {listed}"
-    return f"hyperparameters.data: {named} is {what}; add it under inputs or fix the name"
+    return f"hyperparameters.data: {named} is {what}; {fix}"
 
 
 def _model_folder_problems(model: str) -> list[str]:

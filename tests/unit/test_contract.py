@@ -149,13 +149,15 @@ def test_a_script_run_by_hand_keeps_its_files_under_dtrain_root(tmp_path, monkey
     # hand resumed from whatever an earlier one, of any model, had left there
     from dtrain.runtime.distributed.context import _from_contract
 
+    for key in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", c.CHECKPOINT_DIR_ENV):
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv(c.ROOT_ENV, str(tmp_path))
-    paths = _from_contract({})
+    paths = _from_contract()  # this process's environment
     assert (paths["checkpoint_dir"], paths["model_dir"]) == (tmp_path / "checkpoints",
                                                              tmp_path / "model")
-    monkeypatch.delenv(c.ROOT_ENV)
     assert _from_contract({c.ROOT_ENV: str(tmp_path / "run2")})["model_dir"] == \
         tmp_path / "run2" / "model"
+    # the environment given is the one read, not this process's
     assert str(_from_contract({})["checkpoint_dir"]) == f"{c.DEFAULT_ROOT}/checkpoints"
     # a job's own variables win
     assert _from_contract({"SM_MODEL_DIR": "/job/model"})["model_dir"] == Path("/job/model")

@@ -561,7 +561,7 @@ def test_a_recipe_refuses_data_that_names_none_of_the_jobs_channels(tmp_path):
 def test_a_recipe_job_without_inputs_is_warned_before_its_nodes_refuse_it():
     # it validated silently, then every node stopped with "'train' ... is neither a channel"
     with pytest.warns(SpecWarning, match=r"hyperparameters.data: 'train' \(the default\) is not "
-                                         r"a channel of this job \(none\): the nodes will "
+                                         r"a channel of this job \(none\); the nodes will "
                                          r"refuse the job"):
         JobSpec.from_dict(RECIPE)
     with warnings.catch_warnings():  # a path is the nodes' business: nothing to say

@@ -412,7 +412,7 @@ def _from_contract(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The job's paths and checkpoint settings, as the node agent passes them to workers; a
     script run by hand gets the folders under ``$DTRAIN_ROOT`` (default ``/opt/ml``)."""
     env = os.environ if environ is None else environ
-    default = contract.host_paths(env.get(contract.ROOT_ENV))
+    default = contract.host_paths(env.get(contract.ROOT_ENV) or contract.DEFAULT_ROOT)
     channels = {
         key[len("SM_CHANNEL_") :].lower(): Path(value)
         for key, value in env.items()
