@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 from dtrain.cli.common import OUTPUT_OPTION, TARGETS, echo_json, load_spec, spec_options
-from dtrain.core.states import COMPLETED, FAILED
+from dtrain.core.states import COMPLETED, FAILED, STOPPED
 
 _RANK_ZERO = re.compile(r"^\[\S+ 0\]:")
 
@@ -26,7 +26,9 @@ def _duration(record: Any) -> str:
     if not record.started_at:
         return "-"
     seconds = int((record.ended_at or time.time()) - record.started_at)
-    return f"{seconds // 60}m{seconds % 60:02d}s"
+    hours, rest = divmod(seconds, 3600)
+    return (f"{hours}h{rest // 60:02d}m" if hours else "") + (
+        f"{rest // 60}m{rest % 60:02d}s" if not hours else "")
 
 
 def progress_line(metrics: dict[str, float]) -> str:
@@ -232,10 +234,10 @@ def list_command(target: str | None, limit: int, refresh: bool, output: str) -> 
         echo_json([r.to_dict() for r in records])
         return
     width = max([4, *(len(r.name) for r in records)])
-    click.echo(f"{'ID':<12}  {'NAME':<{width}}  {'TARGET':<9}  {'STATUS':<9}  {'CREATED':<19}  TIME")
+    click.echo(f"{'ID':<12}  {'NAME':<{width}}  {'TARGET':<9}  {'STATUS':<10}  {'CREATED':<19}  TIME")
     for r in records:
         status = "unreadable" if r.problem else r.status
-        click.echo(f"{r.id:<12}  {r.name:<{width}}  {r.target:<9}  {status:<9}  "
+        click.echo(f"{r.id:<12}  {r.name:<{width}}  {r.target:<9}  {status:<10}  "
                    f"{_fmt_time(r.created_at):<19}  {_duration(r)}")
 
 
@@ -310,7 +312,7 @@ def stop(job: str, wait: bool, output: str) -> None:
     from dtrain.jobs import api as jobs
 
     # as last recorded, before the stop (its own note on a shared name comes with the stop)
-    ended = jobs.find(job, on_note=lambda _line: None).status in (COMPLETED, FAILED)
+    ended = jobs.find(job, on_note=lambda _line: None).status in (COMPLETED, FAILED, STOPPED)
     record = jobs.stop(job)
     if wait:
         try:

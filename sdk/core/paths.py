@@ -10,9 +10,12 @@ JOBS_DB_ENV = "DTRAIN_JOBS_DB"
 
 def dtrain_home() -> str:
     """``$DTRAIN_HOME`` or ``~/.dtrain``: the job store, local job folders."""
-    return os.environ.get(HOME_ENV) or os.path.join(os.path.expanduser("~"), ".dtrain")
+    home = os.environ.get(HOME_ENV) or os.path.join("~", ".dtrain")
+    return os.path.abspath(os.path.expanduser(home))  # '~/dt' or 'dt' mean one place, not ./~/
 
 
 def default_db_path() -> str:
     """``$DTRAIN_JOBS_DB`` or ``$DTRAIN_HOME/jobs.db``."""
-    return os.environ.get(JOBS_DB_ENV) or os.path.join(dtrain_home(), "jobs.db")
+    given = os.environ.get(JOBS_DB_ENV)
+    return os.path.abspath(os.path.expanduser(given)) if given else \
+        os.path.join(dtrain_home(), "jobs.db")

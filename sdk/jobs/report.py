@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dtrain.core.errors import DtrainError
+from dtrain.core.errors import DtrainError, SpecError
 from dtrain.core.metrics_format import format_metrics, parse_metrics
 from dtrain.jobs.store import JobRecord, JobStore
 
@@ -210,8 +210,11 @@ def metric_chart(rows: Sequence[Row], metric: str, *, job_name: str) -> str:
     points = series(rows, metric)
     if not points:
         logged = sorted({k for row in rows for k in row} - {"step"})
-        raise DtrainError(f"metric {metric!r} has no finite values in this job's metrics; "
-                          f"choose --metric from: {', '.join(logged) or 'none'}")
+        # a name the job never logged is a bad --metric (exit 2); one it logged only as nan/inf
+        # (a diverged run) is the job's
+        error = DtrainError if metric in logged else SpecError
+        raise error(f"metric {metric!r} has no finite values in this job's metrics; "
+                    f"choose --metric from: {', '.join(logged) or 'none'}")
     label = LABELS.get(metric, metric)
     return svg_line_chart(points, title=f"{job_name}: {label}", x_label="step", y_label=label,
                           y_from_zero=metric in FROM_ZERO)

@@ -37,3 +37,28 @@ def test_a_hanging_target_holds_neither_the_list_nor_the_exit(dtrain_home):
     listed, seconds = done.stdout.split()
     assert listed == "3" and float(seconds) < 3
     assert time.monotonic() - start < 20  # the process ended without waiting for the calls
+
+
+def test_long_durations_read_in_hours_and_a_damaged_record_keeps_the_columns(dtrain_home):
+    import re
+    import sqlite3
+
+    from click.testing import CliRunner
+    from dtrain.cli.jobs import list_command
+    from dtrain.jobs.store import JobStore
+
+    store = JobStore()
+    long = store.create(name="two-days", target="local", spec={}, status="Running")
+    store.update(long.id, status="Completed", started_at=1000.0,
+                 ended_at=1000.0 + 2 * 86400 + 65)
+    short = store.create(name="short", target="local", spec={}, status="Running")
+    store.update(short.id, status="Completed", started_at=1000.0, ended_at=1125.0)
+    bad = store.create(name="bad", target="local", spec={}, status="Completed")
+    with sqlite3.connect(store.path) as conn:
+        conn.execute("UPDATE jobs SET spec = '{no' WHERE id = ?", (bad.id,))
+    result = CliRunner().invoke(list_command, ["--no-refresh"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "48h01m" in result.output and "2m05s" in result.output  # '2881m05s' before
+    created = lines[0].index("CREATED")  # 'unreadable' pushed its row's columns right
+    assert all(re.search(r"\d{4}-\d\d-\d\d", line).start() == created for line in lines[1:])

@@ -9,7 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from dtrain.core.errors import DtrainError
+from dtrain.core.errors import DtrainError, SpecError
 from dtrain.jobs import report
 from dtrain.jobs.store import COMPLETED, JobStore
 
@@ -89,8 +89,12 @@ def test_nan_and_inf_values_are_left_out_of_the_line(tmp_path):
 
 def test_a_metric_that_is_never_finite_is_an_error_naming_the_choices():
     rows = [{"step": 1, "loss": math.nan, "lr": 0.1}]
-    with pytest.raises(DtrainError, match=r"'loss' has no finite values.*from: loss, lr"):
+    with pytest.raises(DtrainError, match=r"'loss' has no finite values.*from: loss, lr") as got:
         report.metric_chart(rows, "loss", job_name="j")
+    assert not isinstance(got.value, SpecError)  # the job's doing: exit 1
+    with pytest.raises(SpecError, match=r"'nosuch' has no finite values.*from: loss, lr"):
+        report.metric_chart(rows, "nosuch", job_name="j")  # a bad --metric: exit 2, as a bad
+        # --rank or --host
 
 
 def test_one_point_and_a_flat_line_still_draw_a_readable_chart():

@@ -14,6 +14,14 @@ def test_database_lives_under_dtrain_home_unless_overridden(dtrain_home, monkeyp
     assert default_db_path() == os.path.join(str(dtrain_home), "jobs.db")
     monkeypatch.setenv("DTRAIN_JOBS_DB", str(tmp_path / "other.db"))
     assert JobStore().path == str(tmp_path / "other.db")
+    # '~' and a relative path mean one place, whatever the current folder
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "me"))
+    monkeypatch.setenv("DTRAIN_JOBS_DB", "rel.db")
+    assert default_db_path() == str(tmp_path / "rel.db")
+    monkeypatch.delenv("DTRAIN_JOBS_DB")
+    monkeypatch.setenv("DTRAIN_HOME", "~/dt")
+    assert default_db_path() == str(tmp_path / "me" / "dt" / "jobs.db")
 
 
 def test_a_job_round_trips_with_spec_and_target_data():
