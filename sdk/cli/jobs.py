@@ -245,10 +245,20 @@ def list_command(target: str | None, limit: int, refresh: bool, output: str) -> 
 @click.argument("job")
 @OUTPUT_OPTION
 def status(job: str, output: str) -> None:
-    """Show a job's state (JOB: id, unique id prefix, or name for the latest)."""
+    """Show a job's state (JOB: id, unique id prefix, or name for the latest), as its target
+    tells it now; when the target cannot be asked (no credentials, no network), as last
+    recorded, with a warning."""
+    from dtrain.core.errors import DtrainError
     from dtrain.jobs import api as jobs
 
-    record = jobs.get(job)
+    try:
+        record = jobs.get(job)
+    except DtrainError as exc:
+        record = jobs.find(job, on_note=lambda _line: None)  # an unknown job: its own error
+        if record.problem:
+            raise
+        click.echo(f"warning: could not ask {record.target} about job {record.id} ({exc}); "
+                   "showing what was last recorded", err=True)
     if output == "json":
         echo_json(record.to_dict())
         return

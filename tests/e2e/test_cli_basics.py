@@ -72,6 +72,15 @@ def test_an_aws_call_without_credentials_and_an_unwritable_file_are_one_line(tmp
     assert result.returncode == 1 and result.stderr.splitlines() == [(
         "error: an AWS call failed: NoCredentialsError: Unable to locate credentials; configure "
         "AWS credentials (aws configure, AWS_PROFILE, or the instance's role)")]
+    # status still shows what was recorded of a job its target cannot be asked about
+    from dtrain.jobs.store import JobStore
+
+    job = JobStore().create(name="sm-job", target="sagemaker", spec={}, status="Running",
+                            target_data={"training_job_name": "sm-job-1", "region": "us-east-1"})
+    shown = dtrain("status", job.id, env={"AWS_EC2_METADATA_DISABLED": "true"})
+    assert shown.returncode == 0 and "status    Running" in shown.stdout
+    assert shown.stderr.startswith(f"warning: could not ask sagemaker about job {job.id} (")
+    assert shown.stderr.rstrip().endswith("showing what was last recorded")
     result = dtrain("schema", "--file", str(tmp_path / "no-such-folder" / "schema.json"))
     assert result.returncode == 1 and result.stderr.splitlines() == [
         f"error: cannot write {tmp_path}/no-such-folder/schema.json: No such file or directory"]
