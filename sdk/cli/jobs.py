@@ -270,7 +270,8 @@ def status(job: str, output: str) -> None:
     for key, value in rows:
         click.echo(f"{key:<9} {value}")
     if record.failure_reason:
-        click.echo(f"{'reason':<9} {record.failure_reason.strip()}")
+        reason = record.failure_reason.strip().replace("\n", "\n" + " " * 10)  # under its column
+        click.echo(f"{'reason':<9} {reason}")
     hint = jobs.resume_hint(record)
     if hint:
         click.echo(f"{'resume':<9} {hint}")

@@ -247,3 +247,15 @@ def test_bad_recipe_input_fails_the_agent_before_any_worker_starts(tmp_path):
         "of model 'gpt-neox-tiny'; lower seq_len to at most 256 or use a model with more "
         f"positions; inputs.train: {garbage} is binary, not text; give text files or a token "
         "channel (`python -m dtrain.runtime.train.tokenize`)\n")
+
+
+def test_a_failure_whose_stderr_is_its_one_line_is_not_said_twice(tmp_path):
+    from dtrain.runtime.agent.reports import write_failure
+
+    paths = c.Paths(str(tmp_path))
+    summary = "rank 1 on algo-2 exited with code 3: boom"
+    write_failure(paths, {"summary": summary, "tail": ["boom", ""]})
+    assert Path(paths.failure_file).read_text() == summary + "\n"  # 'boom\n\nboom' before
+    traceback = ["Traceback (most recent call last):", '  File "train.py", line 1', "boom"]
+    write_failure(paths, {"summary": summary, "tail": traceback})
+    assert Path(paths.failure_file).read_text() == summary + "\n\n" + "\n".join(traceback) + "\n"

@@ -159,7 +159,8 @@ def write_failure(paths: c.Paths, details: dict) -> None:
     Logs instead of raising when the files cannot be written: the exit code still tells.
     """
     text = details["summary"]
-    if details.get("tail"):
+    tail = [line for line in details.get("tail") or [] if line.strip()]
+    if tail and not (len(tail) == 1 and text.endswith(f": {tail[0]}")):  # more than the summary
         text += "\n\n" + "\n".join(details["tail"])
     try:
         os.makedirs(paths.output_dir, exist_ok=True)
