@@ -261,6 +261,9 @@ def render_html(record: JobRecord, rows: Sequence[Row], *,
                 metrics: Sequence[str] = HTML_METRICS) -> str:
     """The whole report page: facts, one chart per metric that has values, the last metrics."""
     charts = [metric_chart(rows, m, job_name=record.name) for m in metrics if series(rows, m)]
+    if not charts:  # never logged, or only as nan/inf (a diverged run): said, not a blank page
+        charts.append(f"<p>No chart: the job logged no finite value of "
+                      f"{_esc(', '.join(metrics))}.</p>")
     facts = "\n".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>"
                       for k, v in job_facts(record))
     steps = f"{len(rows)} logged steps, {rows[0]['step']:g}–{rows[-1]['step']:g}"

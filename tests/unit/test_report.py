@@ -133,6 +133,11 @@ def test_html_report_has_the_job_facts_a_chart_per_metric_and_the_last_line(tmp_
 def test_html_report_leaves_out_metrics_the_job_never_logged(tmp_path):
     record = local_job(tmp_path, metric_rows(5, mfu=False))
     assert report.render_html(record, report.job_metrics(record)).count("<svg ") == 2
+    # a diverged run (nan/inf only): a page that says why it has no chart, not a blank one
+    diverged = local_job(tmp_path, [{"step": 1, "loss": math.nan}, {"step": 2, "loss": math.inf}])
+    page = report.render_html(diverged, report.job_metrics(diverged))
+    assert "<svg " not in page
+    assert "No chart: the job logged no finite value of loss, tokens_per_s, mfu." in page
 
 
 def test_a_restarted_job_keeps_the_last_row_of_each_step(tmp_path):
