@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
@@ -297,11 +296,9 @@ def logs(job: str, follow: bool, host: str | None, rank: int | None) -> None:
         from dtrain.core.errors import DtrainError
 
         record = jobs.get(job)
-        folder = record.log_location
-        # a folder here (local, Slurm), not a cloud location (s3://, cloudwatch:/...)
-        if record.is_final and folder and os.path.isabs(folder) and not os.path.exists(folder):
-            raise DtrainError(f"job {job} ended {record.status}, and its folder {folder}, which "
-                              "held its logs, no longer exists")
+        gone = jobs.deleted_job_folder(record)
+        if gone:
+            raise DtrainError(gone)
         which = " and ".join(filter(None, [host and f"host {host}",
                                            rank is not None and f"rank {rank}"]))
         when = f"(it ended {record.status})" if record.is_final else "(yet)"

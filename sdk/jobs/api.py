@@ -366,6 +366,16 @@ def logs(job: str, *, follow: bool = False, host: str | None = None, rank: int |
     return launcher.logs(handle, follow=follow, host=host, rank=rank, ended=ended)
 
 
+def deleted_job_folder(record: JobRecord) -> str | None:
+    """The problem of an ended job whose folder here (local, Slurm: an absolute path, not a
+    cloud location) was deleted, and its logs and metrics with it; None otherwise."""
+    folder = record.log_location
+    if record.is_final and folder and os.path.isabs(folder) and not os.path.exists(folder):
+        return (f"job {record.id} ended {record.status}, and its folder {folder}, which held "
+                "its logs and metrics, no longer exists")
+    return None
+
+
 def world_size(record: JobRecord) -> int | None:
     """The job's number of ranks from its stored spec (None when it cannot tell)."""
     from dtrain.core import instances

@@ -84,6 +84,9 @@ def job_metrics(record: JobRecord, *, store: JobStore | None = None,
 
     rows = parse_log_lines(jobs.logs(record.id, rank=0, store=store, clients=clients))
     if not rows:
+        gone = jobs.deleted_job_folder(record)
+        if gone:
+            raise DtrainError(gone)
         what = "logged no metrics" if record.is_final else "has no metrics yet"
         raise DtrainError(f"job {record.id} ({record.status}) {what}: no {JSONL_NAME} and no "
                           f"`dtrain-metrics` lines in rank 0's logs; the trainer logs every "

@@ -154,8 +154,10 @@ def test_log_filters_outside_the_job_are_input_errors_and_an_empty_log_says_so(t
     gone = dtrain("logs", job)
     assert gone.returncode == 1
     assert gone.stderr == (f"error: job {job} ended Completed, and its folder "
-                           f"{record.target_data['job_dir']}, which held its logs, no longer "
-                           "exists\n")
+                           f"{record.target_data['job_dir']}, which held its logs and metrics, "
+                           "no longer exists\n")
+    reported = dtrain("report", job)  # not "logged no metrics"
+    assert (reported.returncode, reported.stderr) == (1, gone.stderr)
 
 
 def test_debug_is_accepted_after_the_subcommand(tmp_path):
