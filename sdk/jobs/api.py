@@ -285,15 +285,23 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
 def find(job: str, *, store: JobStore | None = None,
          on_note: Callable[[str], None] | None = None) -> JobRecord:
     """A job by id, id prefix or name — the spec's name or the target's. A name several jobs
-    share finds the latest, and ``on_note`` (default: stderr) hears which and the others."""
+    share finds the latest, and ``on_note`` (default: stderr, once per process: a command
+    finds its job more than once) hears which and the others."""
     matches = (store or JobStore()).find_all(job)
     if len(matches) > 1:
         others = ", ".join(f"{r.id} ({r.status})" for r in matches[1:6])
         more = f" and {len(matches) - 6} more" if len(matches) > 6 else ""
-        (on_note or note_to_stderr)(
-            f"{len(matches)} jobs are named {job!r}; this is the latest, {matches[0].id} "
-            f"({matches[0].name}); the others: {others}{more} (give an id to pick one)")
+        note = (f"{len(matches)} jobs are named {job!r}; this is the latest, {matches[0].id} "
+                f"({matches[0].name}); the others: {others}{more} (give an id to pick one)")
+        if on_note is not None:
+            on_note(note)
+        elif note not in _NOTED:
+            _NOTED.add(note)
+            note_to_stderr(note)
     return matches[0]
+
+
+_NOTED: set[str] = set()  # the shared-name notes this process printed
 
 
 def get(job: str, *, store: JobStore | None = None,

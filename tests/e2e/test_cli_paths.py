@@ -110,6 +110,13 @@ def test_the_name_a_user_gave_finds_the_latest_of_its_jobs_and_names_the_others(
     assert notes == [(f"2 jobs are named 'pythia-1b-p4d'; this is the latest, {newer.id} "
                      f"(pythia-1b-p4d-20261124-101500); the others: {older.id} (Completed) "
                      "(give an id to pick one)")]
+    # a command that looks its job up more than once (logs: to read, then to say it has none)
+    # says it once
+    for n in (1, 2):
+        store.create(name=f"cpu-{n}", target="local", spec={"name": "cpu"}, status="Completed",
+                     created_at=100.0 * n)
+    listed = dtrain("logs", "cpu")
+    assert listed.stderr.count("2 jobs are named 'cpu'") == 1, listed.stderr
     # the target's full name and the id still find exactly one, without a note
     assert jobs.find("pythia-1b-p4d-20261124-001019", store=store).id == older.id
     assert jobs.find(older.id[:6], store=store).id == older.id
