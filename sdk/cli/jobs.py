@@ -21,15 +21,6 @@ def _fmt_time(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
 
 
-def _duration(record: Any) -> str:
-    if not record.started_at:
-        return "-"
-    seconds = int((record.ended_at or time.time()) - record.started_at)
-    hours, rest = divmod(seconds, 3600)
-    return (f"{hours}h{rest // 60:02d}m" if hours else "") + (
-        f"{rest // 60}m{rest % 60:02d}s" if not hours else "")
-
-
 def progress_line(metrics: dict[str, float]) -> str:
     parts = [f"step {metrics['step']}"]
     if "loss" in metrics:
@@ -63,7 +54,7 @@ def _finish(record: Any, output: str) -> None:
     if output == "json":
         echo_json(record.to_dict())
     else:
-        click.echo(f"{record.id} {record.name}: {record.status} after {_duration(record)}"
+        click.echo(f"{record.id} {record.name}: {record.status} after {record.duration}"
                    f" · output {record.output_location or '-'}")
     problem = jobs.not_completed(record)
     if problem:
@@ -237,7 +228,7 @@ def list_command(target: str | None, limit: int, refresh: bool, output: str) -> 
     for r in records:
         status = "unreadable" if r.problem else r.status
         click.echo(f"{r.id:<12}  {r.name:<{width}}  {r.target:<9}  {status:<10}  "
-                   f"{_fmt_time(r.created_at):<19}  {_duration(r)}")
+                   f"{_fmt_time(r.created_at):<19}  {r.duration}")
 
 
 @click.command()
@@ -264,7 +255,7 @@ def status(job: str, output: str) -> None:
     rows = [("id", record.id), ("name", record.name), ("target", record.target),
             ("status", _status_with_detail(record)), ("created", _fmt_time(record.created_at)),
             ("started", _fmt_time(record.started_at)), ("ended", _fmt_time(record.ended_at)),
-            ("duration", _duration(record)), ("logs", record.log_location or "-"),
+            ("duration", record.duration), ("logs", record.log_location or "-"),
             ("output", record.output_location or "-")]
     for key, value in rows:
         click.echo(f"{key:<9} {value}")

@@ -225,28 +225,14 @@ def metric_chart(rows: Sequence[Row], metric: str, *, job_name: str) -> str:
 
 # ------------------------------------------------------------------ HTML report
 
-def world_size(spec: dict[str, Any]) -> int | None:
-    """instance_count × processes per instance (the instance's GPUs when not set)."""
-    compute = spec.get("compute") or {}
-    per_instance = compute.get("processes_per_instance")
-    if per_instance is None:
-        from dtrain.core import instances
-
-        try:
-            per_instance = max(1, instances.get(compute.get("instance_type", "")).gpus)
-        except ValueError:
-            return None
-    return int(compute.get("instance_count", 1)) * int(per_instance)
-
-
 def job_facts(record: JobRecord) -> list[tuple[str, str]]:
-    started, ended = record.started_at, record.ended_at or time.time()
-    duration = f"{int(ended - started) // 60}m{int(ended - started) % 60:02d}s" if started else "-"
+    from dtrain.jobs import api as jobs
+
     compute = record.spec.get("compute") or {}
     instances = f"{compute.get('instance_count', '-')} × {compute.get('instance_type', '-')}"
-    size = world_size(record.spec)
+    size = jobs.world_size(record)
     return [("job", f"{record.name} ({record.id})"), ("target", record.target),
-            ("status", record.status), ("duration", duration),
+            ("status", record.status), ("duration", record.duration),
             ("instances", instances),
             ("world size", str(size) if size else "-"),
             ("output", record.output_location or "-")]

@@ -78,6 +78,15 @@ class JobRecord:
     def is_final(self) -> bool:
         return self.status in FINAL_STATUSES
 
+    @property
+    def duration(self) -> str:
+        """How long it has run, as status, list and report show it: ``2m05s``, ``48h01m``."""
+        if not self.started_at:
+            return "-"
+        seconds = int((self.ended_at or time.time()) - self.started_at)
+        hours, rest = divmod(seconds, 3600)
+        return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
