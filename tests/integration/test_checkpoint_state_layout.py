@@ -93,3 +93,8 @@ def test_a_checkpoint_of_another_model_is_refused_instead_of_loaded_in_part(
         manager.load(saved, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1))
     tied = manager.save(7, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1), {"data_position": 0})
     assert manager.load(tied, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1))["step"] == 7
+    # ties are told by the state dict's names: a compiled model's (_orig_mod.) resumes plainly
+    compiled = torch.compile(from_preset("gpt2-tiny"))
+    saved = manager.save(8, compiled, torch.optim.SGD(compiled.parameters(), lr=0.1),
+                         {"data_position": 0})
+    assert manager.load(saved, gpt2, torch.optim.SGD(gpt2.parameters(), lr=0.1))["step"] == 8

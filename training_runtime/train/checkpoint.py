@@ -185,7 +185,7 @@ class CheckpointManager:
         dist.barrier()
         tmp.mkdir(parents=True, exist_ok=True)
         model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT_OPTIMIZER)
-        ties = all_tie_groups(model)
+        ties = all_tie_groups(model_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
         (tmp / "rng").mkdir(exist_ok=True)
         rng = io.BytesIO()
@@ -278,7 +278,7 @@ class CheckpointManager:
         saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
         options = StateDictOptions() if _LIST_GROUPS in saved else FLAT_OPTIMIZER
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-        check_parameters(path, saved, model_sd, model)  # another model's: names, shapes, ties
+        check_parameters(path, saved, model_sd)  # another model's: names, shapes, ties
         check_state_layout(path, model)  # this model's, laid out as an older dtrain did
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
@@ -318,24 +318,30 @@ def check_state_layout(path: Path, model: nn.Module) -> None:
             "folder, in Hugging Face format), or resume it with the dtrain that wrote it")
 
 
-def tie_groups(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter this rank's ``model`` uses under several names (tied
-    embeddings), sorted."""
-    names: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), []).append(name)
+def tie_groups(state_dict: dict[str, Any]) -> list[list[str]]:
+    """The names under which this rank's state dict holds one parameter several times (tied
+    embeddings), sorted: those whose local tensors share storage. The state dict's names, not
+    the module's (no ``_orig_mod.`` of a compiled model, no activation-checkpoint wrapper)."""
+    names: dict[tuple, list[str]] = {}
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if hasattr(value, "to_local") else value
+        if local.numel():  # an empty shard has no storage to tell by
+            names.setdefault((local.data_ptr(), tuple(local.shape), local.stride()),
+                             []).append(name)
     return sorted(sorted(group) for group in names.values() if len(group) > 1)
 
 
-def all_tie_groups(model: nn.Module) -> list[list[str]]:
+def all_tie_groups(state_dict: dict[str, Any]) -> list[list[str]]:
     """:func:`tie_groups` of every rank's part of the model (collective)."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, tie_groups(model))
-    return sorted({tuple(group) for groups in everyone for group in groups}, key=list)
+    dist.all_gather_object(everyone, tie_groups(state_dict))
+    return [list(group) for group in
+            sorted({tuple(group) for groups in everyone for group in groups})]
 
 
-def check_parameters(path: Path, saved: dict[str, Any], model_sd: dict[str, Any],
-                     module: nn.Module) -> None:
+def check_parameters(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model: DCP loads the tensors the model asks for and ignores
     the rest, so a model with fewer layers resumed silently from part of the weights (and one
     with more failed on a bare missing key); a tied embedding loaded the saved head into both.
@@ -344,9 +350,9 @@ def check_parameters(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]
     ours = {f"model.{name}": tuple(value.shape) for name, value in model_sd.items()
             if isinstance(value, torch.Tensor)}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (ours, tie_groups(module)))
+    dist.all_gather_object(everyone, (ours, tie_groups(model_sd)))
     model = {name: shape for rank_names, _ in everyone for name, shape in rank_names.items()}
-    ties = sorted({tuple(group) for _, groups in everyone for group in groups}, key=list)
+    ties = sorted({tuple(group) for _, groups in everyone for group in groups})
     stored = {name: tuple(meta.size) for name, meta in saved.items()
               if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     lacks = [name for name in model if name not in stored]  # in the models' own order
