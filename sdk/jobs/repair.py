@@ -78,9 +78,13 @@ def whole_store_jobs(path: str) -> int | None:
 
 def repair(path: str | None = None, *, force: bool = False) -> Repair:
     """Rebuild the store at ``path`` (module doc); a whole store is left as it is unless
-    ``force``. The damaged file (with its ``-wal`` and ``-shm``) is moved aside first and read
-    there, so a job another command saves meanwhile lands in the new store, not in the old one.
-    A record the store holds but cannot read is taken from the backup where that reads."""
+    ``force``.
+
+    The damaged file (with its ``-wal`` and ``-shm``) is moved aside first and read there; the
+    new store is built under a temporary name, takes what another command saved at ``path``
+    meanwhile, and replaces ``path`` only when whole, so a repair cut short leaves the damaged
+    copy to repair from again, and the backup is refreshed from the result. A record the store
+    holds with damaged JSON takes those columns from the backup, where they read."""
     path = os.path.abspath(path or default_db_path())
     if os.path.isdir(path):
         raise DtrainError(f"{path} is a folder, not a job store; point DTRAIN_JOBS_DB (or "
@@ -90,32 +94,84 @@ def repair(path: str | None = None, *, force: bool = False) -> Repair:
     if whole is not None:
         report.kept, report.healthy = whole, True
         return report
-    source = path
+    building = path + ".repairing"
     try:
         if os.path.exists(path):
-            report.moved_aside = source = _aside(path)
-            for suffix in ("", "-wal", "-shm"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.replace(path + suffix, source + suffix)
-        rows: dict[str, tuple] = {row[0]: row for row in readable_rows(source)}
+            report.moved_aside = _aside(path)
+            _move(path, report.moved_aside)
+        rows: dict[str, tuple] = {row[0]: row for row in readable_rows(report.moved_aside or "")}
         for row in readable_rows(path + ".bak"):
             mine = rows.get(row[0])
-            if mine is None or (not _readable_json(mine) and _readable_json(row)):
+            if mine is None:
                 rows[row[0]] = row
                 report.from_backup += 1
-        fresh = job_store.JobStore(path)
-    except OSError as exc:
-        raise DtrainError(f"could not repair the job store at {path}: {exc.strerror or exc}"
-                          f" ({exc.filename or path}); check that its folder is writable"
-                          ) from None
-    for job_id, row in rows.items():
-        if not _readable_json(row):
-            report.unreadable.append(job_id)
-            continue
-        fresh.insert_row(row)
-        report.kept += 1
+            elif not _readable_json(mine) and _readable_json(row):
+                rows[row[0]] = _mended(mine, row)
+                report.from_backup += 1
+        _remove(building, ("", "-wal", "-shm", ".bak"))  # of a repair cut short
+        fresh = job_store.JobStore(building)
+        for job_id, row in rows.items():
+            if not _readable_json(row):
+                report.unreadable.append(job_id)
+                continue
+            fresh.insert_row(row)
+            report.kept += 1
+        for row in readable_rows(path):  # saved by another command since the move: newer
+            if _readable_json(row):
+                fresh.insert_row(row)
+        _settle(building)
+        os.remove(building + ".bak")  # the new store's own, of an empty one
+        _remove(path)
+        os.replace(building, path)
+    except BaseException as exc:
+        # cut short before the new store replaced it: the damaged one goes back, to repair again
+        if report.moved_aside and not os.path.exists(path):
+            with contextlib.suppress(OSError):
+                _move(report.moved_aside, path)
+        with contextlib.suppress(OSError):
+            _remove(building, ("", "-wal", "-shm", ".bak"))
+        if isinstance(exc, OSError):
+            raise DtrainError(f"could not repair the job store at {path}: "
+                              f"{exc.strerror or exc} ({exc.filename or path}); check that its "
+                              "folder is writable") from None
+        raise
+    job_store.JobStore(path).back_up()  # what a later repair falls back on: the repaired jobs
     report.from_backup = min(report.from_backup, report.kept)
     return report
+
+
+def _mended(row: tuple, backup: tuple) -> tuple:
+    """``row`` with its unreadable JSON columns from ``backup``: its status and times stay the
+    store's, which may be newer."""
+    values, older = dict(zip(job_store.COLUMNS, row)), dict(zip(job_store.COLUMNS, backup))
+    for column in ("spec", "target_data"):
+        try:
+            json.loads(values[column] or "{}")
+        except (TypeError, ValueError):
+            values[column] = older[column]
+    return tuple(values[column] for column in job_store.COLUMNS)
+
+
+def _move(path: str, to: str) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(path + suffix, to + suffix)
+
+
+def _remove(path: str, suffixes: tuple[str, ...] = ("", "-wal", "-shm")) -> None:
+    for suffix in suffixes:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + suffix)
+
+
+def _settle(path: str) -> None:
+    """Fold the store's write-ahead log into its file, so the file alone is the store."""
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        conn.close()
 
 
 def _aside(path: str) -> str:

@@ -137,7 +137,7 @@ def test_repair_leaves_a_whole_store_as_it_is(dtrain_home):
 def test_repair_takes_a_damaged_record_from_the_backup_and_refuses_what_is_no_store(dtrain_home,
                                                                                    tmp_path):
     from dtrain.core.errors import DtrainError
-    from dtrain.jobs.repair import repair
+    from dtrain.jobs.repair import readable_rows, repair
 
     store = stored_jobs(2)
     store._backup(force=True)  # the daily backup, with both records whole
@@ -149,6 +149,8 @@ def test_repair_takes_a_damaged_record_from_the_backup_and_refuses_what_is_no_st
     report = repair()
     assert (report.kept, report.from_backup, report.unreadable) == (2, 1, [])
     assert sorted(r.name for r in JobStore().list()) == ["job-0", "job-1"]
+    # the backup holds the repaired jobs (it was replaced by the new, empty store's copy)
+    assert len(readable_rows(store.backup_path)) == 2
     again = repair(force=True)  # in the same second: the first damaged file stays
     assert again.moved_aside != report.moved_aside and os.path.isfile(report.moved_aside)
     folder = tmp_path / "a-folder"
@@ -158,5 +160,32 @@ def test_repair_takes_a_damaged_record_from_the_backup_and_refuses_what_is_no_st
     assert folder.is_dir()  # not moved aside as "damaged"
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    with pytest.raises(DtrainError, match=r"cannot create the job store's folder .*a-file"):
+    with pytest.raises(DtrainError, match=r"could not repair the job store at .*a-file/jobs.db: "
+                                          r"Not a directory"):
         repair(str(blocker / "jobs.db"))  # a traceback before
+
+
+def test_a_repair_cut_short_leaves_the_damaged_store_to_repair_again(dtrain_home, monkeypatch):
+    from dtrain.jobs import repair as repairing
+
+    store = stored_jobs(3)
+    os.remove(store.backup_path)  # no backup: the store's rows are all there is
+    conn = sqlite3.connect(store.path)
+    conn.execute("UPDATE jobs SET spec = '{no' WHERE name = 'job-0'")
+    conn.commit()
+    conn.close()
+    inserted = []
+
+    def insert_then_fail(self, row):
+        if inserted:
+            raise KeyboardInterrupt
+        inserted.append(row)
+    real = JobStore.insert_row
+    monkeypatch.setattr(JobStore, "insert_row", insert_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        repairing.repair()
+    # the half-built store is not taken for a whole one: the damaged one is back in place
+    monkeypatch.setattr(JobStore, "insert_row", real)
+    report = repairing.repair()
+    assert (report.healthy, report.kept) == (False, 2)
+    assert sorted(r.name for r in JobStore().list()) == ["job-1", "job-2"]
