@@ -241,11 +241,12 @@ def status(job: str, output: str) -> None:
     from dtrain.core.errors import DtrainError
     from dtrain.jobs import api as jobs
 
+    record = jobs.find(job)  # an unknown job, a damaged store: their own errors
     try:
-        record = jobs.get(job)
-    except DtrainError as exc:
-        record = jobs.find(job, on_note=lambda _line: None)  # an unknown job: its own error
-        if record.problem:
+        record = jobs.get(record.id)
+    except Exception as exc:
+        asked = isinstance(exc, DtrainError) or type(exc).__module__.startswith("botocore")
+        if record.problem or not asked:  # an unreadable record, or a bug: not the target's
             raise
         click.echo(f"warning: could not ask {record.target} about job {record.id} ({exc}); "
                    "showing what was last recorded", err=True)
