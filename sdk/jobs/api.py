@@ -9,7 +9,6 @@ made for it (``pending_cleanup``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -140,7 +139,7 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     request = launcher.build_request(spec, plan(spec), job or identity(spec, launcher))
     store = store or JobStore()
     if spec.checkpoint.uri:
-        _refuse_a_checkpoint_location_in_use(spec.checkpoint.uri, launcher, store)
+        refuse_a_checkpoint_location_in_use(spec.checkpoint.uri, store=store, clients=clients)
     from dtrain.launcher import process
 
     record = store.create(job_id=request.job.id, name=request.job.name, target=launcher.name,
@@ -175,18 +174,30 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     return store.get(record.id)
 
 
-def _refuse_a_checkpoint_location_in_use(location: str, launcher: Launcher,
-                                         store: JobStore) -> None:
-    """Two jobs on one checkpoint location write, and prune, each other's checkpoints: refuse a
-    job whose location one of the target's jobs that has not ended keeps its checkpoints in."""
-    for record in store.list(target=launcher.name):
+def refuse_a_checkpoint_location_in_use(location: str, *, store: JobStore,
+                                        clients: dict[str, Any] | None = None) -> None:
+    """Two jobs on one checkpoint location write, and prune, each other's checkpoints: refuse
+    ``location`` when a job that has not ended (of any target: SageMaker and EC2 jobs can
+    share an S3 prefix) keeps its checkpoints there. A job its target cannot be asked about is
+    passed over, as a stale record would otherwise block every submit."""
+    from dtrain.core import s3
+
+    def same(a: str, b: str) -> bool:
+        if s3.is_s3_uri(a) or s3.is_s3_uri(b):
+            return a.rstrip("/") == b.rstrip("/")
+        return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
+
+    for record in store.list():
         if record.is_final or record.problem:
             continue
+        launcher = launcher_for(record.target, clients)
         theirs = handle_of(record, launcher).state.checkpoints
-        if not theirs or theirs.rstrip("/") != location.rstrip("/"):
+        if not theirs or not same(theirs, location):
             continue
-        with contextlib.suppress(DtrainError):  # cannot ask: taken as still running
+        try:
             record = refresh(record, launcher, store)
+        except Exception:  # noqa: BLE001, S112 -- cannot be asked: passed over, as documented
+            continue
         if not record.is_final:
             raise DtrainError(
                 f"checkpoint.uri: job {record.id} ({record.name}) is still {record.status} with "
@@ -248,16 +259,12 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
     """The spec to resubmit ``job`` with so it resumes from its newest complete checkpoint:
     ``spec`` (default: the job's own) with ``checkpoint.uri`` set to where ``job`` kept its
     checkpoints."""
+    from dtrain.core import s3
     from dtrain.core.errors import SpecError
     from dtrain.spec.model import JobSpec
 
     store = store or JobStore()
     record = find(job, store=store)
-    if not record.is_final:  # as last recorded: ask whether it has ended since
-        record = refresh(record, launcher_for(record.target, clients), store)
-    if not record.is_final:  # both would write, and prune, the same checkpoint folder
-        raise DtrainError(f"job {record.id} is still {record.status}; stop it first (dtrain "
-                          f"stop {record.id} --wait) or wait for it to end, then resume it")
     location, problem = resume_from(record, clients=clients)
     if problem:
         raise DtrainError(problem)
@@ -267,10 +274,14 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
     given = spec.checkpoint.uri if spec is not None else next(
         (item.split("=", 1)[1].strip() for item in overrides or []
          if item.split("=", 1)[0].strip() == "checkpoint.uri" and "=" in item), None)
+    if given and not s3.is_s3_uri(given):  # as the spec's own paths: ~ and relative too
+        given = os.path.abspath(os.path.expanduser(given))
     if given and given.rstrip("/") != location.rstrip("/"):
         raise SpecError(f"--resume {job} continues from {location}, where the job kept its "
                         f"checkpoints, and checkpoint.uri says {given}; leave checkpoint.uri "
                         "out, or submit without --resume to train from that location")
+    # the job itself still running, or another that resumed it (a second --resume)
+    refuse_a_checkpoint_location_in_use(location, store=store, clients=clients)
     data = spec.to_dict() if spec is not None else apply_overrides(
         record.spec, overrides or [], text_at=lambda parts: takes_text(JobSpec, parts))
     if data.get("compute", {}).get("target") != record.target:

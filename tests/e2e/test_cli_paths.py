@@ -260,12 +260,15 @@ def test_a_stopped_or_failed_job_with_a_checkpoint_says_how_to_resume_it(tmp_pat
     busy = store.create(name="tiny-busy", target="local", spec=spec, status="Running",
                         target_data={"checkpoints": str(saved), "secondary_status": "MonitorGone"})
     refused = dtrain("submit", "--resume", busy.id)
-    assert f"job {busy.id} is still Running; stop it first" in refused.stderr
+    assert f"checkpoint.uri: job {busy.id} (tiny-busy) is still Running" in refused.stderr
     # and so would resuming the job it resumed: both keep their checkpoints in one folder
     refused = dtrain("submit", "--resume", stopped.id)
     assert refused.returncode == 1
     assert (f"checkpoint.uri: job {busy.id} (tiny-busy) is still Running with its checkpoints "
             f"in {saved}") in refused.stderr
+    same = dtrain("submit", "--resume", stopped.id, "--set", f"checkpoint.uri={saved}/",
+                  "--dry-run")  # the job's own folder, written otherwise: no conflict there
+    assert "checkpoint.uri says" not in same.stderr and "is still Running" in same.stderr
     moved = dtrain("submit", "--resume", stopped.id, "--set", "checkpoint.uri=/elsewhere")
     assert moved.returncode == 2
     assert (f"--resume {stopped.id} continues from {saved}, where the job kept its checkpoints, "
