@@ -104,7 +104,8 @@ def repair(path: str | None = None, *, force: bool = False) -> Repair:
             mine = rows.get(row[0])
             if mine is None:
                 rows[row[0]] = row
-                report.from_backup += 1
+                if _readable_json(row):  # else it is counted unreadable
+                    report.from_backup += 1
             elif not _readable_json(mine) and _readable_json(row):
                 rows[row[0]] = _mended(mine, row)
                 report.from_backup += 1
@@ -120,7 +121,7 @@ def repair(path: str | None = None, *, force: bool = False) -> Repair:
             if _readable_json(row):
                 fresh.insert_row(row)
         _settle(building)
-        os.remove(building + ".bak")  # the new store's own, of an empty one
+        _remove(building, (".bak",))  # the new store's own, of an empty one
         _remove(path)
         os.replace(building, path)
     except BaseException as exc:
@@ -136,7 +137,6 @@ def repair(path: str | None = None, *, force: bool = False) -> Repair:
                               "folder is writable") from None
         raise
     job_store.JobStore(path).back_up()  # what a later repair falls back on: the repaired jobs
-    report.from_backup = min(report.from_backup, report.kept)
     return report
 
 

@@ -350,9 +350,9 @@ def check_parameters(path: Path, saved: dict[str, Any], model_sd: dict[str, Any]
     ours = {f"model.{name}": tuple(value.shape) for name, value in model_sd.items()
             if isinstance(value, torch.Tensor)}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (ours, tie_groups(model_sd)))
-    model = {name: shape for rank_names, _ in everyone for name, shape in rank_names.items()}
-    ties = sorted({tuple(group) for _, groups in everyone for group in groups})
+    dist.all_gather_object(everyone, ours)
+    model = {name: shape for rank_names in everyone for name, shape in rank_names.items()}
+    ties = [tuple(group) for group in all_tie_groups(model_sd)]
     stored = {name: tuple(meta.size) for name, meta in saved.items()
               if name.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
     lacks = [name for name in model if name not in stored]  # in the models' own order
