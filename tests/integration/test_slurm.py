@@ -21,6 +21,7 @@ import _slurm_cluster
 import pytest
 from dtrain import Estimator
 from dtrain.core import logformat
+from dtrain.core.errors import DtrainError
 from dtrain.jobs import api as jobs
 
 pytestmark = pytest.mark.slurm
@@ -132,7 +133,9 @@ def test_a_worker_that_raises_fails_the_job_naming_rank_and_error(shared, cluste
                           instance_type="local", instance_count=2, processes_per_instance=2,
                           max_run=300, slurm={"shared_dir": str(shared)})
     started = time.monotonic()
-    record = estimator.fit()
+    with pytest.raises(DtrainError, match=r"job \w+ Failed: rank 3 on n2 exited with code 1"):
+        estimator.fit()  # as `dtrain submit` exits 1
+    record = estimator.latest_job
     assert record.status == "Failed"
     assert record.failure_reason.startswith("rank 3 on n2 exited with code 1"), \
         record.failure_reason
