@@ -125,20 +125,26 @@ def _parses_as(value: Any, kind: type) -> bool:
 
 
 def _data_channel_problems(hps: Mapping[str, Any], channels: list[str]) -> list[str]:
-    """``data`` names a channel the job lacks: a bare name (no ``/``, no ``.``) is a channel,
-    anything else a path in the container, checked where it runs."""
-    data = str(hps.get("data", DEFAULTS["data"]))
-    if "/" in data or "." in data or find_channel(data, channels) is not None:
+    """``data`` names a channel (:func:`channel_named`) the job lacks."""
+    data = channel_named(hps)
+    if data is None or find_channel(data, channels) is not None:
         return []
     return [missing_data(data, channels, default="data" not in hps)]
+
+
+def channel_named(hps: Mapping[str, Any]) -> str | None:
+    """The channel a recipe's ``data`` names: a bare name (no ``/``, no ``.``); None for a
+    path in the container, checked where it runs."""
+    data = str(hps.get("data", DEFAULTS["data"]))
+    return None if "/" in data or "." in data else data
 
 
 def no_inputs_note(hps: Mapping[str, Any]) -> list[str]:
     """A recipe job with no inputs at all: its ``data``, a bare name, can only be a folder in
     the nodes' working directory, which a job rarely has. A note, not a problem: ``dtrain plan``
     sizes channel-less specs, and the nodes check it before any worker starts."""
-    data = str(hps.get("data", DEFAULTS["data"]))
-    if "/" in data or "." in data:
+    data = channel_named(hps)
+    if data is None:
         return []
     return [missing_data(data, (), default="data" not in hps,
                          fix="the nodes will refuse the job unless a folder of that name is in "

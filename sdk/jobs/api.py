@@ -174,25 +174,28 @@ def submit(spec: JobSpec, *, wait: bool = True, follow: bool = False, dry_run: b
     return store.get(record.id)
 
 
+def same_location(a: str, b: str) -> bool:
+    """Whether two checkpoint locations are one: S3 prefixes with or without the trailing
+    slash, folders as paths ('~', relative, '..')."""
+    from dtrain.core import s3
+
+    if s3.is_s3_uri(a) or s3.is_s3_uri(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+
+
 def refuse_a_checkpoint_location_in_use(location: str, *, store: JobStore,
                                         clients: dict[str, Any] | None = None) -> None:
     """Two jobs on one checkpoint location write, and prune, each other's checkpoints: refuse
     ``location`` when a job that has not ended (of any target: SageMaker and EC2 jobs can
     share an S3 prefix) keeps its checkpoints there. A job its target cannot be asked about is
     passed over, as a stale record would otherwise block every submit."""
-    from dtrain.core import s3
-
-    def same(a: str, b: str) -> bool:
-        if s3.is_s3_uri(a) or s3.is_s3_uri(b):
-            return a.rstrip("/") == b.rstrip("/")
-        return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
-
     for record in store.list():
         if record.is_final or record.problem:
             continue
         launcher = launcher_for(record.target, clients)
         theirs = handle_of(record, launcher).state.checkpoints
-        if not theirs or not same(theirs, location):
+        if not theirs or not same_location(theirs, location):
             continue
         try:
             record = refresh(record, launcher, store)
@@ -259,7 +262,6 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
     """The spec to resubmit ``job`` with so it resumes from its newest complete checkpoint:
     ``spec`` (default: the job's own) with ``checkpoint.uri`` set to where ``job`` kept its
     checkpoints."""
-    from dtrain.core import s3
     from dtrain.core.errors import SpecError
     from dtrain.spec.model import JobSpec
 
@@ -271,19 +273,15 @@ def resume_spec(job: str, *, spec: JobSpec | None = None, overrides: list[str] |
     from dtrain.spec.base import takes_text
     from dtrain.spec.io import apply_overrides
 
-    given = spec.checkpoint.uri if spec is not None else next(
-        (item.split("=", 1)[1].strip() for item in overrides or []
-         if item.split("=", 1)[0].strip() == "checkpoint.uri" and "=" in item), None)
-    if given and not s3.is_s3_uri(given):  # as the spec's own paths: ~ and relative too
-        given = os.path.abspath(os.path.expanduser(given))
-    if given and given.rstrip("/") != location.rstrip("/"):
+    data = spec.to_dict() if spec is not None else apply_overrides(
+        record.spec, overrides or [], text_at=lambda parts: takes_text(JobSpec, parts))
+    given = (data.get("checkpoint") or {}).get("uri")
+    if given and not same_location(given, location):
         raise SpecError(f"--resume {job} continues from {location}, where the job kept its "
                         f"checkpoints, and checkpoint.uri says {given}; leave checkpoint.uri "
                         "out, or submit without --resume to train from that location")
     # the job itself still running, or another that resumed it (a second --resume)
     refuse_a_checkpoint_location_in_use(location, store=store, clients=clients)
-    data = spec.to_dict() if spec is not None else apply_overrides(
-        record.spec, overrides or [], text_at=lambda parts: takes_text(JobSpec, parts))
     if data.get("compute", {}).get("target") != record.target:
         raise SpecError(f"--resume {job}: the job ran on {record.target}, this spec targets "
                         f"{data.get('compute', {}).get('target')}; resume on the same target")
