@@ -124,5 +124,6 @@ def _first(hps: dict, names: tuple[str, ...], config: dict) -> Any:
 
 
 def _hidden_from_count(num: int) -> int:
-    # A GPT-style model with about 100 layers per 10k hidden; rough but only used for latency.
-    return max(64, round((num / 1.2e-3) ** (1 / 3) / 64) * 64)
+    # A GPT-style model with about 100 layers per 10k hidden (num = 12 L h^2 with L = h / 100,
+    # so h = (num / 0.12) ** (1/3)): 6.9B parameters give 3840 x 39, near Pythia-6.9B's 4096 x 32.
+    return max(64, round((num / 0.12) ** (1 / 3) / 64) * 64)

@@ -259,3 +259,14 @@ def test_local_cpu_workers_share_this_machine_s_cores(monkeypatch):
     alone = plan(spec).strategies[0].compute_s
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert plan(spec).strategies[0].compute_s == pytest.approx(2 * alone)
+
+
+def test_a_model_sized_only_by_its_parameter_count_gets_a_preset_like_shape():
+    # 6.9B parameters alone: about Pythia-6.9B's 4096 x 32, not 2 layers of 17856 (whose
+    # unsharded layer was 10x too big and activations 3x too small)
+    from dtrain.planning.model_shape import model_shape
+
+    preset = model_shape({"model": "pythia-6.9b"})
+    guessed = model_shape({"num_parameters": preset.num_parameters})
+    assert 0.8 < guessed.hidden_size / preset.hidden_size < 1.2
+    assert 0.8 < guessed.num_layers / preset.num_layers < 1.3
