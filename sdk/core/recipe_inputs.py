@@ -26,7 +26,12 @@ POSITIVE = ("steps", "micro_batch_size", "seq_len", "log_interval")
 # The recipes' other numeric hyperparameters and their types: the recipes' parser takes its
 # types from here, so what validation accepts is what the recipe parses.
 NUMERIC = {"lr": float, "min_lr_ratio": float, "warmup_steps": int, "weight_decay": float,
-           "max_grad_norm": float, "seed": int}
+           "max_grad_norm": float, "seed": int, "checkpoint_interval": int, "keep_last": int}
+# The recipes' hyperparameters that take one of a few words (their parser's choices), and the
+# words a yes/no one takes.
+CHOICES = {"attention": ("flash", "sdpa", "eager")}
+BOOLEAN = ("activation_checkpointing",)
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # Every hyperparameter the recipes read (their parser, training_runtime/recipes/common.py; a
 # test holds the two equal): validation refuses any other, which the recipe would only ignore.
 HYPERPARAMETERS = ("model", "data", "steps", "micro_batch_size", "seq_len", "lr", "min_lr_ratio",
@@ -68,6 +73,14 @@ def hyperparameter_problems(hps: Mapping[str, Any], *, recipe: str, model_known:
         if key in hps and not _parses_as(hps[key], kind):
             what = "a whole number" if kind is int else "a number"
             problems.append(f"hyperparameters.{key}: {hps[key]!r} is not {what}; give one")
+    for key, words in CHOICES.items():
+        if key in hps and str(hps[key]) not in words:
+            problems.append(f"hyperparameters.{key}: {hps[key]!r} is not one of "
+                            f"{', '.join(words)}; give one of them")
+    for key in BOOLEAN:
+        if key in hps and as_bool(hps[key]) is None:
+            problems.append(f"hyperparameters.{key}: {hps[key]!r} is neither true nor false; "
+                            "give true or false")
     if channels:
         problems += _data_channel_problems(hps, sorted(channels))
     model = hps.get("model") or (DEFAULT_MODELS.get(recipe) if model_known else None)
@@ -110,6 +123,15 @@ def unread_hyperparameters(hps: Mapping[str, Any], *,
         problems.append(f"hyperparameters.{key}: not a hyperparameter of recipe:{recipe}, "
                         f"which would ignore it; {hint}")
     return problems, notes
+
+
+def as_bool(value: Any) -> bool | None:
+    """A yes/no hyperparameter's value as the recipe reads it (``TRUE_WORDS``/``FALSE_WORDS``,
+    any case, or a boolean); None when it is neither."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    return True if word in TRUE_WORDS else False if word in FALSE_WORDS else None
 
 
 def _parses_as(value: Any, kind: type) -> bool:

@@ -526,6 +526,40 @@ def test_a_recipe_refuses_numbers_it_cannot_parse_as_its_parser_would():
     assert "weight_decay" not in msg  # "1e-2" is what --weight_decay 1e-2 parses
 
 
+BAD_WORDS = {"attention": "flashy", "activation_checkpointing": "maybe",
+             "checkpoint_interval": "abc", "keep_last": 1.5}
+GOOD_WORDS = {"attention": "sdpa", "activation_checkpointing": "Yes", "checkpoint_interval": 5,
+              "keep_last": "2"}
+
+
+def test_a_recipe_refuses_a_word_or_count_its_parser_would_refuse_on_the_nodes():
+    # all four validated and planned, then every rank failed at its argument parser
+    msg = problems({**RECIPE, "hyperparameters": BAD_WORDS})
+    assert ("hyperparameters.attention: 'flashy' is not one of flash, sdpa, eager; give one of "
+            "them") in msg
+    assert ("hyperparameters.activation_checkpointing: 'maybe' is neither true nor false; give "
+            "true or false") in msg
+    assert "hyperparameters.checkpoint_interval: 'abc' is not a whole number" in msg
+    assert "hyperparameters.keep_last: 1.5 is not a whole number" in msg
+    spec = JobSpec.from_dict({**sagemaker(), "hyperparameters": {
+        **GOOD_WORDS, "activation_checkpointing": True}})
+    assert spec.hyperparameters["attention"] == "sdpa"
+
+
+@pytest.mark.parametrize("words", [BAD_WORDS, GOOD_WORDS], ids=["refused", "accepted"])
+def test_validation_and_the_recipe_s_parser_agree_on_each_value(words):
+    from dtrain.runtime.recipes.common import build_parser
+
+    parser = build_parser("causal_lm", "", recipe="causal_lm", lr=1e-3)
+    for key, value in words.items():
+        try:
+            parser.parse_args([f"--{key}", str(value)])
+            parsed = True
+        except SystemExit:
+            parsed = False
+        assert parsed is (words is GOOD_WORDS), (key, value)
+
+
 def test_a_recipe_refuses_a_hyperparameter_it_would_ignore_and_notes_the_planner_s():
     # stesp: 10 validated and the recipe trained its default 100 steps, logging a warning
     msg = problems({**RECIPE, "hyperparameters": {"stesp": 10, "learning_rate": 1e-3}})

@@ -31,14 +31,10 @@ TOKENIZER_INFO = "dtrain_tokenizer.json"
 
 
 def parse_bool(value: str | bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    lowered = str(value).strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    parsed = recipe_inputs.as_bool(value)
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return parsed
 
 
 def build_parser(prog: str, description: str, *, recipe: str,
@@ -62,11 +58,12 @@ def build_parser(prog: str, description: str, *, recipe: str,
     p.add_argument("--max_grad_norm", type=recipe_inputs.NUMERIC["max_grad_norm"], default=1.0)
     p.add_argument("--log_interval", type=int, default=recipe_inputs.DEFAULTS["log_interval"])
     for name, field_name in DEPRECATED_CHECKPOINT_ARGS.items():
-        p.add_argument(f"--{name}", type=int, default=None,
+        p.add_argument(f"--{name}", type=recipe_inputs.NUMERIC[name], default=None,
                        help=f"deprecated: set {field_name} in the job spec instead")
     p.add_argument("--seed", type=recipe_inputs.NUMERIC["seed"], default=0)
-    p.add_argument("--attention", choices=("flash", "sdpa", "eager"), default=None)
-    p.add_argument("--activation_checkpointing", type=parse_bool, default=None)
+    p.add_argument("--attention", choices=recipe_inputs.CHOICES["attention"], default=None)
+    for name in recipe_inputs.BOOLEAN:
+        p.add_argument(f"--{name}", type=parse_bool, default=None)
     return p
 
 
