@@ -1,8 +1,9 @@
 """Reading spec files and applying ``--set key.path=value`` overrides.
 
 Spec files are read as YAML 1.2 reads numbers (``lr: 1e-3`` is the number 0.001, not the
-string YAML 1.1 makes of it), and a key given twice in one mapping is an error naming its line
-instead of the last one silently winning.
+string YAML 1.1 makes of it; ``steps: 010`` is ten, not YAML 1.1's octal eight; ``max_run: 1:30``
+is the text it looks like, not YAML 1.1's base-60 ninety), and a key given twice in one mapping
+is an error naming its line instead of the last one silently winning.
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ class _SpecLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE:  # `<<: *shared`: merged by the base class below
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise SpecError(f"{key_node.start_mark.name}, line {line}: a key must be a "
+                                f"name, not a {type(key).__name__}; write the field's name")
             if key in seen:
                 raise SpecError(f"{key_node.start_mark.name}, line {line}: key {key!r} is given "
                                 f"twice (first on line {seen[key]}); keep one")
@@ -35,7 +41,30 @@ class _SpecLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_SpecLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+0123456789."))
+def _number(loader: _SpecLoader, node: yaml.ScalarNode) -> Any:
+    """An int or float scalar as YAML 1.2 reads it: base 60 (``1:30``) is text, a leading zero
+    is decimal; too many digits is an error naming the line."""
+    text = loader.construct_scalar(node)
+    if ":" in text:
+        return text
+    try:
+        if node.tag == _FLOAT:
+            return loader.construct_yaml_float(node)
+        digits = text.replace("_", "")
+        body = digits.lstrip("+-")
+        sign = -1 if digits.startswith("-") else 1
+        base = {"0x": 16, "0b": 2}.get(body[:2], 10)
+        return sign * int(body[2:] if base != 10 else body, base)
+    except ValueError:  # the regex matched, so only its length: beyond Python's digit limit
+        raise SpecError(f"{node.start_mark.name}, line {node.start_mark.line + 1}: a number of "
+                        f"{len(text)} digits ({text[:12]}...) is more than any field takes; "
+                        "give a smaller one") from None
+
+
+_MERGE, _FLOAT = "tag:yaml.org,2002:merge", "tag:yaml.org,2002:float"
+_SpecLoader.add_implicit_resolver(_FLOAT, _FLOAT_12, list("-+0123456789."))
+_SpecLoader.add_constructor("tag:yaml.org,2002:int", _number)
+_SpecLoader.add_constructor(_FLOAT, _number)
 
 
 def _load_yaml(text: Any) -> Any:

@@ -27,6 +27,38 @@ def test_numbers_written_as_numbers_arrive_as_numbers(tmp_path):
     assert out["hyperparameters"]["lr"] == 0.0002
 
 
+def test_yaml_1_1_s_octal_and_base_60_numbers_are_read_as_yaml_1_2_reads_them(tmp_path):
+    # steps: 010 trained 8 steps, and max_run: 1:30 (meant as 1 h 30) stopped the job at 90 s
+    from dtrain.spec.io import load_mapping, parse_value
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text("entry_point: train.py\nhyperparameters: {steps: 010, big: 1_000, "
+                    "hex: 0x10}\ncompute: {max_run: 1:30}\n")
+    data = load_mapping(spec)
+    assert data["hyperparameters"] == {"steps": 10, "big": 1000, "hex": 16}
+    assert data["compute"]["max_run"] == "1:30"
+    assert (parse_value("010"), parse_value("1:30"), parse_value("-2.5")) == (10, "1:30", -2.5)
+    result = dtrain("validate", str(spec))
+    assert result.returncode == 2
+    assert "compute.max_run: '1:30' is not a duration" in result.stderr
+
+
+def test_a_merge_key_shares_settings_and_odd_keys_or_numbers_are_one_line(tmp_path):
+    from dtrain.spec.io import load_mapping
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text("entry_point: train.py\nshared: &c {instance_count: 2}\ncompute:\n"
+                    "  <<: *c\n  processes_per_instance: 1\n")
+    assert load_mapping(spec)["compute"] == {"instance_count": 2, "processes_per_instance": 1}
+    spec.write_text("entry_point: train.py\n? [a, b]\n: 1\n")
+    with pytest.raises(SpecError, match=r"line 2: a key must be a name, not a list"):
+        load_mapping(spec)
+    spec.write_text(f"entry_point: train.py\ncompute: {{instance_count: {'9' * 5000}}}\n")
+    result = dtrain("validate", str(spec))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: {spec}, line 2: a number of 5000 digits")
+
+
 def test_a_key_given_twice_is_an_error_naming_its_line(tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text("entry_point: recipe:causal_lm\ncompute:\n  instance_count: 1\n"
