@@ -51,6 +51,18 @@ def backend_fits_hardware(spec, ctx: Findings) -> None:
         )
 
 
+def precision_fits_gpu(spec, ctx: Findings) -> None:
+    """bf16 on a GPU without bf16 tensor cores (V100) runs emulated, many times slower."""
+    inst = spec.compute.instance
+    if spec.distribution.mixed_precision != "bf16" or inst.is_local or not inst.has_gpu \
+            or inst.peak_bf16_tflops:
+        return
+    ctx.problems.append(
+        f"distribution.mixed_precision: 'bf16' on {inst.name!r}, whose {inst.gpu_model} GPUs "
+        "have no bf16 tensor cores; use 'fp16' (what 'auto' picks there) or a GPU with bf16 "
+        "(A100, H100)")
+
+
 def a_gpu_per_process(spec, ctx: Findings) -> None:
     """On GPU nodes each worker takes its own GPU (``cuda:<local rank>``): more workers than
     GPUs fail on the node, after the instances are paid for."""
@@ -224,6 +236,6 @@ def environment_settings(spec, ctx: Findings) -> None:
                             "number of seconds; give one, e.g. 60")
 
 
-COMMON_RULES = (instance_fits_target, backend_fits_hardware, a_gpu_per_process,
+COMMON_RULES = (instance_fits_target, backend_fits_hardware, precision_fits_gpu, a_gpu_per_process,
                 degrees_make_a_plan, spot_settings, entry_point, channel_names,
                 recipe_hyperparameters, environment_secrets, environment_settings)
