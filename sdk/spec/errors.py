@@ -16,6 +16,8 @@ _FIX = {
     "int_type": "give a whole number",
     "int_from_float": "give a whole number",
     "float_parsing": "give a number",
+    "finite_number": "give a finite number",
+    "int_parsing_size": "give a smaller whole number",
     "bool_parsing": "give true or false",
     "bool_type": "give true or false",
     "string_type": "give a string (quote it in YAML)",
@@ -83,7 +85,8 @@ def _one_of(loc: tuple, errors: list[dict[str, Any]]) -> str:
         elif kind in ("greater_than_equal", "less_than_equal"):
             wanted.append(f"{number} {'≥' if kind == 'greater_than_equal' else '≤'} "
                           f"{ctx.get('ge', ctx.get('le'))}")
-        elif kind in ("int_parsing", "int_type", "int_from_float", "float_parsing"):
+        elif kind in ("int_parsing", "int_type", "int_from_float", "float_parsing",
+                      "finite_number", "int_parsing_size"):
             wanted.append(number)
         elif kind == "value_error":
             wanted.append(str(ctx.get("error") or error["msg"]))

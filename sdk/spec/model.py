@@ -85,7 +85,7 @@ class Compute(_Model):
         0, ge=0, le=100, description="How often the node agent restarts failed workers."
     )
     price_per_hour: float | None = Field(
-        None, gt=0, description="Override the catalog's $/hour for one instance (prices change)."
+        None, gt=0, allow_inf_nan=False, description="Override the catalog's $/hour for one instance (prices change)."
     )
     oversubscribe: bool = Field(
         False, description="`local` only: run even when the worker processes far exceed this "

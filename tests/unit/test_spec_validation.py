@@ -699,3 +699,27 @@ def test_set_with_an_empty_name_or_a_value_for_a_section_names_the_fix():
     with pytest.raises(SpecError, match=r"^compute: .* \(got 3\); give a section of fields .*"
                                         r"with --set, set one field: section.field=value\)"):
         JobSpec.from_file(example, overrides=["compute=3"])
+
+
+def test_bf16_on_a_gpu_without_bf16_tensor_cores_is_refused_and_auto_is_not():
+    # it was planned at the fp16 tensor-core rate, for a job that would run bf16 emulated
+    data = sagemaker(instance_type="ml.p3dn.24xlarge")
+    msg = problems({**data, "distribution": {"mixed_precision": "bf16"}})
+    assert ("distribution.mixed_precision: 'bf16' on 'p3dn.24xlarge', whose V100-32GB GPUs "
+            "have no bf16 tensor cores; use 'fp16'") in msg
+    JobSpec.from_dict({**data, "distribution": {"mixed_precision": "auto"}})
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    # an infinite price planned "$inf" and made `dtrain plan -o json` print invalid JSON
+    ("price_per_hour", float("inf"), ("compute.price_per_hour: input should be a finite number "
+                                      "(got inf); give a finite number")),
+    ("instance_count", 1e20, "(got 1e+20); give a smaller whole number"),
+])
+def test_numbers_beyond_what_a_field_takes_are_named_with_a_fix(field, value, said):
+    assert said in problems({**RECIPE, "compute": {field: value}})
+
+
+def test_an_infinite_degree_asks_for_what_the_field_takes():
+    msg = problems({**RECIPE, "distribution": {"sharding_degree": float("inf")}})
+    assert msg == "distribution.sharding_degree: got inf; give a whole number, 'auto' or 'full'"
