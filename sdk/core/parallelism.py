@@ -44,6 +44,7 @@ from dtrain.core.sizing import (  # noqa: F401 -- re-exported: the plan's sizing
     choose_sharding_degree,
     divisors,
     fits,
+    memory_fixes,
     model_state_bytes_per_gpu,
     resolve_sharding_degree,
     short_list,
@@ -342,7 +343,9 @@ def _plan_at(distribution: Mapping[str, Any], shape: _Shape, *, tp: int, explici
             distribution.get("sharding_degree", "auto"), dp=dp,
             dp_per_node=max(1, shape.devices_per_node // tp), tp=tp, pp=pp,
             num_parameters=shape.num_parameters, device_memory_bytes=shape.device_memory_bytes,
-            other_bytes_per_device=other)
+            other_bytes_per_device=other,
+            fixes=memory_fixes(distribution, dp_shard=dp, dp=dp, tp=tp,
+                               devices_per_node=shape.devices_per_node))
     except ValueError as exc:
         raise ParallelismError("distribution.sharding_degree", str(exc)) from None
     if degree is None:

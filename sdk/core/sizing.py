@@ -7,6 +7,7 @@ unsharded layer being computed).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 # Mixed-precision Adam keeps, per parameter: fp32 sharded parameter (4) + fp32 gradient (4) +
@@ -49,11 +50,13 @@ def choose_sharding_degree(
     device_memory_bytes: float,
     other_bytes_per_gpu: float = 0.0,
     headroom: float = DEFAULT_HEADROOM,
+    fixes: str | None = None,
 ) -> int:
     """The smallest node-aligned partition group whose GPUs hold the model states with headroom.
 
     ``other_bytes_per_gpu`` is what does not shrink with sharding (activations, the unsharded
-    layer being computed). Raises ``ValueError`` when even a full shard does not fit.
+    layer being computed). Raises ``ValueError`` when even a full shard does not fit, offering
+    ``fixes`` (default: :func:`memory_fixes` of data parallelism alone).
     """
     budget = device_memory_bytes * (1.0 - headroom) - other_bytes_per_gpu
     for degree in candidate_degrees(world_size, gpus_per_node):
@@ -63,16 +66,39 @@ def choose_sharding_degree(
     raise ValueError(
         f"the model ({num_parameters / 1e9:.2f}B parameters) needs {need / 2**30:.1f} GiB per "
         f"device even fully sharded over {world_size} devices, more than "
-        f"{device_memory_bytes * (1 - headroom) / 2**30:.1f} GiB usable; add instances, use a "
-        "larger instance type, or enable distribution.activation_checkpointing"
+        f"{device_memory_bytes * (1 - headroom) / 2**30:.1f} GiB usable; "
+        f"{fixes or memory_fixes({}, dp_shard=world_size, dp=world_size, tp=1, devices_per_node=1)}"
     )
+
+
+def memory_fixes(distribution: Mapping[str, Any], *, dp_shard: int, dp: int, tp: int,
+                 devices_per_node: int) -> str:
+    """What would make a layout that overflows the device fit, given the ``distribution``
+    settings it came from: the changes they leave open (a degree already at its most or chosen
+    by ``auto``, activation checkpointing already on, are not offered), then more or larger
+    instances."""
+    fixes = []
+    if dp_shard < dp:  # replicas left to shard over
+        fixes.append("raise sharding_degree")
+    if distribution.get("tensor_parallel_degree", 1) != "auto" and tp < devices_per_node:
+        fixes.append("raise tensor_parallel_degree" if tp > 1
+                     else "set tensor_parallel_degree (or auto)")
+    pp = distribution.get("pipeline_parallel_degree", 1)
+    if pp != "auto" and dp > 1:  # ranks to spare for stages
+        fixes.append("raise pipeline_parallel_degree" if pp > 1
+                     else "set pipeline_parallel_degree (or auto)")
+    if not distribution.get("activation_checkpointing"):
+        fixes.append("enable activation_checkpointing")
+    return either([*fixes, "use more or larger instances"])
 
 
 def resolve_sharding_degree(requested: Any, *, dp: int, dp_per_node: int, tp: int, pp: int,
                             num_parameters: int | None, device_memory_bytes: float | None,
-                            other_bytes_per_device: float) -> int | None:
+                            other_bytes_per_device: float,
+                            fixes: str | None = None) -> int | None:
     """``sharding_degree`` (an int, ``full`` or ``auto``) over ``dp`` data-parallel ranks; None
-    for ``auto`` before the model is sized. Raises ``ValueError`` with the fix."""
+    for ``auto`` before the model is sized. Raises ``ValueError`` with the fix (``fixes`` for
+    a model that fits at no degree)."""
     if requested == "full":
         return dp
     if requested == "auto":
@@ -82,7 +108,7 @@ def resolve_sharding_degree(requested: Any, *, dp: int, dp_per_node: int, tp: in
             return choose_sharding_degree(
                 num_parameters=num_parameters // (tp * pp), world_size=dp,
                 gpus_per_node=dp_per_node, device_memory_bytes=device_memory_bytes,
-                other_bytes_per_gpu=other_bytes_per_device)
+                other_bytes_per_gpu=other_bytes_per_device, fixes=fixes)
         except ValueError as exc:
             raise ValueError(f"auto: {exc}") from None
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:

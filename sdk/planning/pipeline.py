@@ -29,7 +29,7 @@ from dtrain.core.parallelism import (
     build_parallelism_plan,
     candidate_degrees,
 )
-from dtrain.core.sizing import DEFAULT_HEADROOM, MODEL_STATE_BYTES_PER_PARAM
+from dtrain.core.sizing import DEFAULT_HEADROOM, MODEL_STATE_BYTES_PER_PARAM, memory_fixes
 from dtrain.core.tensor_parallel import candidate_degrees as tp_degrees
 from dtrain.planning import costmodel
 from dtrain.planning.memory import Layout, MemoryEstimate, activation_bytes, memory_estimate
@@ -250,13 +250,16 @@ def choose_layout(distribution: dict, *, world_size: int, devices_per_node: int,
                     candidates.append(candidate)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        smallest = min((c.memory_gib for c in candidates), default=0.0)
+        smallest = min(candidates, key=lambda c: c.memory_gib, default=None)
+        fixes = memory_fixes(distribution, dp_shard=smallest.plan.dp_shard,
+                             dp=smallest.plan.dp_degree, tp=smallest.plan.tp,
+                             devices_per_node=devices_per_node) if smallest else None
         raise ParallelismError(
             "distribution.pipeline_parallel_degree",
             f"auto: no pipeline × tensor × sharding layout fits the model (the smallest needs "
-            f"{smallest:.1f} GiB per device, {device_gib * (1 - DEFAULT_HEADROOM):.1f} GiB "
-            "usable); add instances, use a larger instance type, or enable "
-            "distribution.activation_checkpointing")
+            f"{smallest.memory_gib if smallest else 0.0:.1f} GiB per device, "
+            f"{device_gib * (1 - DEFAULT_HEADROOM):.1f} GiB usable); "
+            f"{fixes or 'use more or larger instances'}")
     fitting.sort(key=lambda c: (-c.step.tokens_per_s, c.plan.pp, c.plan.tp))
     best = fitting[0]
     reason = (f"auto: of {len(candidates)} layouts, {len(fitting)} fit in "

@@ -15,7 +15,7 @@ from dtrain.core import pipeline as ppl
 from dtrain.core import tensor_parallel as tpl
 from dtrain.core.errors import SpecError
 from dtrain.core.parallelism import ParallelismError, ParallelismPlan, build_parallelism_plan
-from dtrain.core.sizing import DEFAULT_HEADROOM, either
+from dtrain.core.sizing import DEFAULT_HEADROOM, memory_fixes
 from dtrain.planning import costmodel
 from dtrain.planning import pipeline as pipelining
 from dtrain.planning.memory import Layout, MemoryEstimate, memory_estimate, other_bytes
@@ -181,8 +181,11 @@ def plan(spec: JobSpec) -> Plan:
         work, layout, sharding_degree=degree, vocab_size=model.vocab_size,
         device_gib=float(inst.gpu_memory_gib)) if model and degree else None
     if memory and memory.device_gib and memory.total_gib > memory.device_gib:
+        fixes = memory_fixes(dist.model_dump(), dp_shard=parallelism.dp_shard,
+                             dp=parallelism.dp_degree, tp=parallelism.tp,
+                             devices_per_node=parallelism.devices_per_node)
         notes.append(f"estimated {memory.total_gib:.1f} GiB per device exceeds its "
-                     f"{memory.device_gib:.0f} GiB; {_memory_fixes(parallelism, dist)}")
+                     f"{memory.device_gib:.0f} GiB; {fixes}")
     strategies = _strategies(model, work, cluster, degree, dist.gradient_accumulation_steps,
                              layout, device_gib=float(inst.gpu_memory_gib)) if work else []
     if piped:  # the pipeline beside what the same ranks would do without one
@@ -200,22 +203,6 @@ def plan(spec: JobSpec) -> Plan:
                 if choice and spec.distribution.tensor_parallel_degree == "auto"
                 else _tensor_parallel_reason(spec, parallelism, model, work),
                 pipeline=piped, layout_choice=choice)
-
-
-def _memory_fixes(parallelism: ParallelismPlan, dist: Any) -> str:
-    """What would make a plan that overflows the device fit: only the changes it allows."""
-    fixes = []
-    if parallelism.dp_shard < parallelism.dp_degree:  # replicas left to shard over
-        fixes.append("raise sharding_degree")
-    if dist.tensor_parallel_degree != "auto" and parallelism.tp < parallelism.devices_per_node:
-        fixes.append("raise tensor_parallel_degree" if parallelism.tp > 1
-                     else "set tensor_parallel_degree (or auto)")
-    if dist.pipeline_parallel_degree != "auto" and parallelism.dp_degree > 1:  # ranks to spare
-        fixes.append("raise pipeline_parallel_degree" if parallelism.pp > 1
-                     else "set pipeline_parallel_degree (or auto)")
-    if not dist.activation_checkpointing:
-        fixes.append("enable activation_checkpointing")
-    return either(fixes or ["use a larger instance type or more instances"])
 
 
 def _refuse_what_the_runtime_would(plan: ParallelismPlan, model: ModelShape,

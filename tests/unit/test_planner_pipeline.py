@@ -175,11 +175,28 @@ def test_a_plan_that_overflows_the_device_names_only_the_fixes_it_allows():
                      processes_per_instance=None)
     assert result.parallelism.dp_shard == result.parallelism.dp_degree
     [note] = [n for n in result.notes if "exceeds its 40 GiB" in n]
-    assert note.endswith("; set tensor_parallel_degree (or auto), raise pipeline_parallel_degree "
-                         "or enable activation_checkpointing")
+    assert note.endswith("; set tensor_parallel_degree (or auto), raise pipeline_parallel_degree, "
+                         "enable activation_checkpointing or use more or larger instances")
     result = planned({"sharding_degree": 2, "tensor_parallel_degree": 2}, hyperparameters=BIG,
                      target="sagemaker", instance_type="ml.p4d.24xlarge", instance_count=4,
                      processes_per_instance=None)
     [note] = [n for n in result.notes if "exceeds its 40 GiB" in n]
     assert note.endswith("; raise sharding_degree, raise tensor_parallel_degree, set "
-                         "pipeline_parallel_degree (or auto) or enable activation_checkpointing")
+                         "pipeline_parallel_degree (or auto), enable activation_checkpointing or "
+                         "use more or larger instances")
+
+
+@pytest.mark.parametrize("setting", ["sharding_degree", "pipeline_parallel_degree"])
+def test_a_model_that_fits_no_layout_is_not_told_to_enable_what_is_on(setting):
+    # "enable distribution.activation_checkpointing" was advised with it on, and tensor
+    # parallelism (off) was never named
+    with pytest.raises(SpecError) as info:
+        planned({setting: "auto", "activation_checkpointing": True}, hyperparameters=BIG,
+                target="sagemaker", instance_type="ml.p4d.24xlarge", instance_count=1,
+                processes_per_instance=None)
+    message = str(info.value)
+    assert "activation_checkpointing" not in message, message
+    assert message.endswith("set tensor_parallel_degree (or auto) or use more or larger instances"
+                            if setting == "pipeline_parallel_degree" else
+                            "set tensor_parallel_degree (or auto), set pipeline_parallel_degree "
+                            "(or auto) or use more or larger instances"), message
