@@ -120,14 +120,17 @@ def _check_node_alignment(pp: int, world_size: int, devices_per_node: int) -> No
     """``pp`` is the outermost axis: a stage's ranks fill part of one node or whole nodes, so only
     the stages' point-to-point transfers cross between nodes, never a stage's collectives."""
     per_stage = world_size // pp
-    if per_stage % devices_per_node == 0 or devices_per_node % per_stage == 0:
+    if world_size % pp == 0 and (per_stage % devices_per_node == 0
+                                 or devices_per_node % per_stage == 0):
         return
     good = [d for d in range(1, world_size + 1) if world_size % d == 0 and (
         (world_size // d) % devices_per_node == 0 or devices_per_node % (world_size // d) == 0)]
-    raise PipelineSettingError(
-        "distribution.pipeline_parallel_degree",
-        f"{pp} stages of {per_stage} ranks straddle nodes of {devices_per_node}; a stage must "
-        f"fill part of one node or whole nodes: use one of {', '.join(map(str, good))}")
+    why = (f"{pp} does not divide the world size {world_size} into stages of equal ranks"
+           if world_size % pp else
+           f"{pp} stages of {per_stage} ranks straddle nodes of {devices_per_node}; a stage must "
+           "fill part of one node or whole nodes")
+    raise PipelineSettingError("distribution.pipeline_parallel_degree",
+                               f"{why}: use one of {', '.join(map(str, good))}")
 
 
 def _microbatches(value: Any, pp: int) -> int:

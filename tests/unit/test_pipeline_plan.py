@@ -60,6 +60,12 @@ class TestSettings:
         assert "use one of 1, 2, 6" in msg
         local_spec({"pipeline_parallel_degree": 2}, hosts=2, per_host=3)  # a node per stage
 
+    def test_a_degree_that_does_not_divide_the_world_is_said_so(self):
+        # it was "3 stages of 5 ranks straddle nodes of 8" for 16 ranks: 5 from 16 // 3
+        msg = problem({"pipeline_parallel_degree": 3}, hosts=2, per_host=2)
+        assert msg == ("distribution.pipeline_parallel_degree: 3 does not divide the world size "
+                       "4 into stages of equal ranks: use one of 1, 2, 4")
+
     def test_pipeline_settings_without_a_pipeline_are_refused(self):
         msg = problem({"microbatches": 4})
         assert msg == ("distribution.microbatches: 4 applies to pipeline parallelism; set "
