@@ -18,6 +18,14 @@ LOCAL_INSTANCE_TYPES = ("local", "local_gpu")
 DEFAULT_CHANNEL = "training"  # the SageMaker SDK's channel name for a single input
 
 
+def _copy(section: Any, extra: dict[str, Any] | None = None) -> Any:
+    """A copy of a mapping argument with ``extra`` added (None: an empty one); anything else as
+    given, for the spec's validation to name."""
+    if section is None:
+        return dict(extra or {})
+    return {**section, **(extra or {})} if isinstance(section, dict) else section
+
+
 class Estimator:
     def __init__(self, *, entry_point: str, source_dir: str | None = None,
                  instance_type: str = "local", instance_count: int = 1,
@@ -49,9 +57,9 @@ class Estimator:
             "instance_type": instance_type, "instance_count": instance_count,
             "use_spot": use_spot_instances,
         }
-        if processes_per_instance is None:  # an SMP estimator's distribution says it there
-            processes_per_instance = ((distribution or {}).get("mpi") or {}).get(
-                "processes_per_host")
+        mpi = distribution.get("mpi") if isinstance(distribution, dict) else None
+        if processes_per_instance is None and isinstance(mpi, dict):  # an SMP estimator's
+            processes_per_instance = mpi.get("processes_per_host")  # distribution says it there
         optional = {"processes_per_instance": processes_per_instance, "max_run": max_run,
                     "max_restarts": max_restarts, "max_wait": max_wait,
                     "volume_size_gb": volume_size, "price_per_hour": price_per_hour,
@@ -60,14 +68,16 @@ class Estimator:
         self.spec_data: dict[str, Any] = {
             "name": name or (names.sanitize(base_job_name) if base_job_name else None),
             "entry_point": entry_point, "source_dir": source_dir,
-            "hyperparameters": dict(hyperparameters or {}), "compute": compute,
-            "distribution": dict(distribution or {}), "output_path": output_path,
-            "environment": dict(environment or {}), "tags": tags or {},
+            # copies, so a caller's later change does not reach the job; what is not a mapping
+            # goes as given, and the spec's validation names its field
+            "hyperparameters": _copy(hyperparameters), "compute": compute,
+            "distribution": _copy(distribution), "output_path": output_path,
+            "environment": _copy(environment), "tags": tags or {},
         }
-        sections = {"sagemaker": {**(sagemaker or {}), **({"role": role} if role else {})},
-                    "checkpoint": {**(checkpoint or {}),
-                                   **({"uri": checkpoint_s3_uri} if checkpoint_s3_uri else {})},
-                    "ec2": dict(ec2 or {}), "slurm": dict(slurm or {})}
+        sections = {"sagemaker": _copy(sagemaker, {"role": role} if role else {}),
+                    "checkpoint": _copy(checkpoint,
+                                        {"uri": checkpoint_s3_uri} if checkpoint_s3_uri else {}),
+                    "ec2": _copy(ec2), "slurm": _copy(slurm)}
         self.spec_data.update({key: value for key, value in sections.items() if value})
         self.clients = clients
         self.latest_job: JobRecord | None = None

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from dtrain.core.errors import SpecWarning
+from dtrain.core.errors import SpecError, SpecWarning
 from dtrain.estimator import Estimator
 
 
@@ -76,3 +76,15 @@ def test_client_side_job_modules_do_not_import_torch():
     code = ("import sys, dtrain.cli.main, dtrain.jobs.api, dtrain.estimator, dtrain.launcher.local.launcher, "
             "dtrain.launcher.local.monitor; sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize(("argument", "value", "said"), [
+    ("distribution", "smp", "distribution: input should be a valid dictionary"),
+    ("hyperparameters", [1, 2], "hyperparameters: input should be a valid dictionary"),
+    ("environment", ["A=1"], "environment: input should be a valid dictionary"),
+    ("sagemaker", "x", "sagemaker: input should be a valid dictionary"),
+])
+def test_an_argument_of_the_wrong_type_is_named_as_the_spec_names_it(argument, value, said):
+    # an AttributeError, a TypeError or a ValueError from dict() came out of the constructor
+    with pytest.raises(SpecError, match=said):
+        Estimator(entry_point="recipe:causal_lm", **{argument: value}).spec()
