@@ -25,7 +25,7 @@ def check(name: str) -> str:
     if not is_valid(name):
         raise ValueError(
             f"{name!r} is not a valid job name; use 1-{MAX_LENGTH} letters, digits and hyphens, "
-            "starting with a letter or digit"
+            "starting and ending with a letter or digit"
         )
     return name
 

@@ -723,3 +723,13 @@ def test_numbers_beyond_what_a_field_takes_are_named_with_a_fix(field, value, sa
 def test_an_infinite_degree_asks_for_what_the_field_takes():
     msg = problems({**RECIPE, "distribution": {"sharding_degree": float("inf")}})
     assert msg == "distribution.sharding_degree: got inf; give a whole number, 'auto' or 'full'"
+
+
+def test_a_web_address_as_an_input_is_not_called_a_local_path():
+    data = {**sagemaker(), "inputs": {"train": "https://my-bucket.s3.amazonaws.com/train"}}
+    assert ("inputs.train: 'https://my-bucket.s3.amazonaws.com/train' is a web address, which "
+            "sagemaker cannot read; upload it to S3 and give the s3:// URI") in problems(data)
+
+
+def test_a_name_ending_in_a_hyphen_is_told_the_rule_it_breaks():
+    assert "starting and ending with a letter or digit" in problems({**RECIPE, "name": "abc-"})

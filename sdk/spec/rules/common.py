@@ -157,9 +157,10 @@ def cloud_paths(spec, ctx: Findings) -> None:
     target = spec.compute.target
     for channel, uri in spec.inputs.items():
         if not s3.is_s3_uri(uri):
+            what = "a web address" if "://" in uri else "a local path"
             ctx.problems.append(
-                f"inputs.{channel}: {uri!r} is a local path, which {target} cannot read; "
-                "upload it to S3 and give the s3:// URI"
+                f"inputs.{channel}: {uri!r} is {what}, which {target} cannot read; "
+                "upload it to S3 and give the s3:// URI (s3://bucket/key)"
             )
     if spec.output_path is None:
         ctx.problems.append(
