@@ -18,10 +18,11 @@ from typing import Annotated, Any, Literal
 
 from dtrain.core import contract, instances, names, pipeline, s3
 from dtrain.core.errors import SpecError, SpecWarning
+from dtrain.spec import smp
 from dtrain.spec.base import _Model, duration, takes_text
-from dtrain.spec.smp import translate_distribution
 from dtrain.spec.targets import Ec2Options, SageMakerOptions, SlurmOptions
 from pydantic import (
+    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -121,9 +122,22 @@ class Compute(_Model):
         return self.instance_count * self.resolved_processes_per_instance
 
 
+def _smp_sections(schema: dict[str, Any]) -> None:
+    """The SageMaker SDK's distribution sections, which validation translates
+    (``dtrain.spec.smp``), in the schema too: an editor's or CI's check accepts what
+    ``dtrain validate`` does."""
+    schema["properties"].update({key: {
+        "type": "object", "title": key.replace("_", " ").title(),
+        "description": f"The SageMaker SDK's `distribution` section `{key}`, translated into "
+                       "the fields above (see the porting guide)."}
+        for key in smp.WRAPPER_KEYS})
+
+
 class Distribution(_Model):
     """How the work is split across processes: MiCS sharded data parallelism, optionally
     composed with tensor and pipeline parallelism."""
+
+    model_config = ConfigDict(json_schema_extra=_smp_sections)
 
     sharding_degree: int | Literal["auto", "full"] = Field(
         "auto",
@@ -220,7 +234,7 @@ class Distribution(_Model):
     @model_validator(mode="before")
     @classmethod
     def _translate_smp(cls, data: Any) -> Any:
-        translated, notes = translate_distribution(data)
+        translated, notes = smp.translate_distribution(data)
         for note in notes:
             _note(note)
         return translated

@@ -22,12 +22,12 @@ _UNSUPPORTED_DEGREES = ("expert_parallel_degree", "context_parallel_degree")
 _PIPELINE_KEYS = ("pipeline_parallel_degree", "partitions", "microbatches", "pipeline",
                   "auto_partition", "active_microbatches")
 _SMP_SCHEDULES = {"interleaved": "1f1b", "simple": "gpipe"}
-_WRAPPER_KEYS = ("smdistributed", "torch_distributed", "pytorchddp", "mpi")
+WRAPPER_KEYS = ("smdistributed", "torch_distributed", "pytorchddp", "mpi")
 
 
 def translate_distribution(data: Any) -> tuple[Any, list[str]]:
     """Return ``(dtrain distribution dict, notes)``; non-SMP input is returned unchanged."""
-    if not isinstance(data, dict) or not any(k in data for k in _WRAPPER_KEYS):
+    if not isinstance(data, dict) or not any(k in data for k in WRAPPER_KEYS):
         return data, []
     notes: list[str] = []
     out: dict[str, Any] = {}  # what the SMP settings translate to
@@ -57,7 +57,7 @@ def translate_distribution(data: Any) -> tuple[Any, list[str]]:
                 )
             _translate_parameters(params, out, notes)
     # dtrain's own fields given beside the SMP dict (or by --set) win over the translation
-    given = {k: v for k, v in data.items() if k not in _WRAPPER_KEYS}
+    given = {k: v for k, v in data.items() if k not in WRAPPER_KEYS}
     for key, value in given.items():
         if key in out and out[key] != value:
             notes.append(f"distribution.{key} {value!r} is used over the {out[key]!r} the SMP "

@@ -462,6 +462,12 @@ def test_the_examples_pass_the_schema_dtrain_schema_prints(example):
              "tags": [{"Key": "team", "Value": "ml"}], "sagemaker": {"keep_alive_period": "10m"}}
     assert [e.message for e in validator.iter_errors(extra)] == []
     assert list(validator.iter_errors({**extra, "compute": {"max_run": "soon"}}))
+    # the SageMaker SDK's distribution sections, as the porting guide writes them
+    smp = {"entry_point": "train.py", "distribution": {
+        "smdistributed": {"modelparallel": {"enabled": True,
+                                           "parameters": {"sharded_data_parallel_degree": 2}}},
+        "mpi": {"enabled": True, "processes_per_host": 8}}}
+    assert [e.message for e in validator.iter_errors(smp)] == []
 
 
 def test_a_local_job_far_beyond_this_machine_is_refused_unless_forced(monkeypatch):
