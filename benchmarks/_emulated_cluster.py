@@ -113,16 +113,27 @@ def run_agents(roots: list[str], *, namespaces: tuple[str, ...], devs: list[str]
                 ["ip", "netns", "exec", ns, sys.executable, "-m", "dtrain.runtime",
                  "--root", root], env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))
-        deadline = time.monotonic() + timeout
-        for proc, root in zip(procs, roots):
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode:
-                failure = Path(root, "output", "failure")
-                why = (failure if failure.exists() else Path(root, "agent.log")).read_text()
-                raise RuntimeError(
-                    f"node agent for {root} exited {proc.returncode}:\n{why[-3000:]}")
+        wait_all(procs, roots, timeout=timeout)
     finally:
         stop_processes(procs)
+
+
+def wait_all(procs: list[subprocess.Popen], roots: list[str], *, timeout: float) -> None:
+    """Until every agent has exited 0; the first that fails raises at once. Its peers would
+    otherwise sit in torch elastic's exit barrier (5 minutes) waiting for the failed host."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [proc.poll() for proc in procs]
+        for code, root in zip(codes, roots):
+            if code:
+                failure = Path(root, "output", "failure")
+                why = (failure if failure.exists() else Path(root, "agent.log")).read_text()
+                raise RuntimeError(f"node agent for {root} exited {code}:\n{why[-3000:]}")
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no result after {timeout:.0f} s (--timeout)")
+        time.sleep(0.2)
 
 
 def stop_processes(procs: list[subprocess.Popen]) -> None:
