@@ -266,7 +266,9 @@ def worker_fsdp2(args: argparse.Namespace) -> None:
 def worker_compute(args: argparse.Namespace) -> None:
     """Compute only, on every rank at once (the ranks share this machine's cores as the
     training rows do): the whole model, no communication inside a step. One result per
-    ``micro_batch:accum`` setting in ``args.settings``: the slowest rank's median step."""
+    ``micro_batch:accum`` setting in ``args.settings``: the slowest rank's median step, and
+    ``optimizer_s``, the slowest rank's median optimizer step within it (timed apart, so that
+    the planner's FLOP rate comes from forward and backward alone)."""
     import torch
     import torch.distributed as dist
 
@@ -275,17 +277,23 @@ def worker_compute(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = build_model(args.model)
     opt = adamw(model)
+    optimizer_s: list[float] = []
 
     def one_step(batches: list) -> None:
         for batch in batches:
             (lm_loss(model, batch) / len(batches)).backward()
+        start = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        optimizer_s.append(time.perf_counter() - start)
 
     out = {}
     for setting in args.settings.split(","):
         args.micro_batch, args.accum = (int(v) for v in setting.split(":"))
+        optimizer_s.clear()
         out[setting] = timed_steps(args, model.config.vocab_size, one_step)
+        measured = optimizer_s[args.warmup:]  # timed_steps' warm-up steps come first
+        out[setting]["optimizer_s"] = _slowest(statistics.median(measured))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()

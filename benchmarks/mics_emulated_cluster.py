@@ -7,6 +7,7 @@ removes what a SIGKILLed run left):
     python benchmarks/mics_emulated_cluster.py                 # default rows, ~8 min at ratio 12
     python benchmarks/mics_emulated_cluster.py --full          # every row (about 25 min)
     python benchmarks/mics_emulated_cluster.py --ratio 24      # like 100 Gbps EFA vs NVSwitch
+    python benchmarks/mics_emulated_cluster.py --overlap-micro-batch 64   # the overlap rows' size
     python benchmarks/mics_emulated_cluster.py --cleanup
 
 It measures the loopback gloo bandwidth, limits each direction of the veth to bandwidth/ratio,
@@ -69,6 +70,7 @@ class Row:
     sync: str = "auto"  # dtrain's distribution.gradient_sync; the others sync as FSDP2 does
     hierarchical: bool = False  # dtrain: hierarchical_allgather; DeepSpeed: hierarchical gather
     micro_batch: int | None = None  # None: --micro-batch
+    overlap: bool = False  # at --overlap-micro-batch instead: the overlap target's setting
     default: bool = True  # in the coffee-break run; --full runs every row
 
     @property
@@ -85,8 +87,8 @@ ROWS = [
     Row("dtrain MiCS", "dtrain", 2, accum=4),
     Row("DS MiCS", "deepspeed", 2, accum=4),
     Row("dtrain PP 2", "pipeline", 2),
-    Row("dtrain MiCS", "dtrain", 2, micro_batch=OVERLAP_MICRO_BATCH),
-    Row("dtrain MiCS fsdp", "dtrain", 2, sync="fsdp", micro_batch=OVERLAP_MICRO_BATCH),
+    Row("dtrain MiCS", "dtrain", 2, overlap=True),
+    Row("dtrain MiCS fsdp", "dtrain", 2, sync="fsdp", overlap=True),
     # --full only
     Row("dtrain DDP", "dtrain", 1, default=False),
     Row("dtrain DDP fsdp", "dtrain", 1, sync="fsdp", default=False),
@@ -124,14 +126,18 @@ def workload(args: argparse.Namespace, *, micro_batch: int, compute_bytes: int =
 
 
 def calibrated_cluster(args, *, loopback: float, link: float, latency: float,
-                       micro_compute_s: float):
-    """This machine as the cost model sees it: gloo, the measured bandwidths and latency, and a
-    FLOP rate from the compute-only steps (one micro-batch's forward and backward)."""
+                       micro_batch: int, micro_compute_s: float):
+    """This machine as the cost model sees it at ``micro_batch`` sequences per micro-step: gloo,
+    the measured bandwidths and latency, and the FLOP rate of the compute-only steps at that
+    size (one micro-batch's forward and backward: the step less its optimizer step). A rate per
+    size: on CPU a small micro-batch runs well below a large one's rate (one core of the 2-vCPU
+    benchmark machine: 1 sequence 0.14 s, 32 sequences 3.0 s, 1.5 times the rate), and one rate
+    from micro-batch 1 made the planner's pipeline and micro-batch-32 steps up to twice too long."""
     from dtrain.planning import costmodel
 
     unit = costmodel.Cluster(num_nodes=NUM_HOSTS, gpus_per_node=PER_HOST, tflops_per_gpu=1.0,
                              intra_gbytes_per_s=1.0, inter_gbits_per_s=1.0, efficiency=1.0)
-    work = workload(args, micro_batch=args.micro_batch)
+    work = workload(args, micro_batch=micro_batch)
     tflops = costmodel.compute_seconds(work, unit) / micro_compute_s
     return costmodel.Cluster(num_nodes=NUM_HOSTS, gpus_per_node=PER_HOST, tflops_per_gpu=tflops,
                              intra_gbytes_per_s=loopback / 1e9,
@@ -185,7 +191,8 @@ def run_rows(launch: Launcher, args, rows: list[Row]) -> list[dict]:
 
 def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     started = time.monotonic()
-    rows = [replace(r, micro_batch=r.micro_batch or args.micro_batch)
+    rows = [replace(r, micro_batch=args.overlap_micro_batch if r.overlap
+                    else r.micro_batch or args.micro_batch)
             for r in ROWS if (args.full or r.default) and (not args.only or r.label in args.only)]
     deepspeed = deepspeed_available()
     launch = Launcher(args, job_dir)
@@ -193,17 +200,18 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     set_link_rate(loopback / args.ratio)
     probe = launch.run("link", per_host=1)
     link = probe["all_reduce_Bps"]  # what gloo gets through the link, per direction
-    settings = sorted({(r.micro_batch, r.accum) for r in rows} | {(args.micro_batch, 1),
-                                                                  (args.micro_batch, 4)})
+    # accumulation 1 at every row's micro-batch: the planner's FLOP rate at that size
+    settings = sorted({(r.micro_batch, r.accum) for r in rows}
+                      | {(r.micro_batch, 1) for r in rows})
     compute = launch.run("compute", model=args.model, steps=args.steps, warmup=1,
                          **{"seq-len": args.seq_len, "min-seconds": args.min_seconds,
                             "settings": ",".join(f"{m}:{a}" for m, a in settings)})
     compute = {tuple(int(v) for v in k.split(":")): res for k, res in compute.items()}
-    per_micro = (compute[(args.micro_batch, 4)]["step_s"]
-                 - compute[(args.micro_batch, 1)]["step_s"]) / 3
-    cluster = calibrated_cluster(args, loopback=loopback, link=link,
-                                 latency=probe["latency_s"], micro_compute_s=per_micro)
-    print_header(args, loopback, probe, deepspeed)
+    clusters = {micro: calibrated_cluster(args, loopback=loopback, link=link,
+                                          latency=probe["latency_s"], micro_batch=micro,
+                                          micro_compute_s=res["step_s"] - res["optimizer_s"])
+                for (micro, accum), res in compute.items() if accum == 1}
+    print_header(args, loopback, probe, deepspeed, clusters)
     results = {}
     # dtrain's rows first (one launch), the reference row of each setting before the others
     for group in (
@@ -222,7 +230,7 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
         for row, res in zip(group, measured):
             res["compute_s"] = compute[(row.micro_batch, row.accum)]["step_s"]
             res["compute_cpus_busy"] = compute[(row.micro_batch, row.accum)]["cpus_busy"]
-            res["model_s"] = predict(args, row, cluster)
+            res["model_s"] = predict(args, row, clusters[row.micro_batch])
             results[row.key] = res
             print_row(args, row, res, link, results)
     report(args, rows, results, link)
@@ -239,7 +247,8 @@ def deepspeed_available() -> str | None:
     return ADAPTATIONS if importlib.util.find_spec("deepspeed") else None
 
 
-def print_header(args, loopback: float, probe: dict, deepspeed: str | None) -> None:
+def print_header(args, loopback: float, probe: dict, deepspeed: str | None,
+                 clusters: dict) -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}, load average {_load()} at start; "
           f"torch {_torch_version()}; {os.cpu_count()} CPUs")
     print(f"# model {args.model}, fp32, {args.seq_len} tokens per sequence, 2 hosts x {PER_HOST} "
@@ -256,6 +265,9 @@ def print_header(args, loopback: float, probe: dict, deepspeed: str | None) -> N
           "eff = max(floor, compute) / step; cpus: cores busy during the step, machine-wide; "
           "ratios: tokens/s over the dtrain MiCS row of the "
           "same accum and micro-batch, measured and planner")
+    print("# planner's FLOP rate per rank (compute-only step less its optimizer step): "
+          + ", ".join(f"micro-batch {micro} {c.tflops_per_gpu * 1e3:.1f} GFLOP/s"
+                      for micro, c in sorted(clusters.items())))
     print(f"{'row':<18} {'deg':>3} {'acc':>3} {'mb':>3} {'step s':>7} {'tok/s':>7} "
           f"{'link MB':>8} {'floor s':>7} {'comp s':>6} {'eff':>5} {'cpus':>4} {'model s':>7} "
           f"{'ratio':>6} {'model':>6}", flush=True)
@@ -311,16 +323,17 @@ def report(args, rows: list[Row], results: dict, link: float) -> None:
     mics = results.get((REFERENCE, 1, mb))
     line("MiCS efficiency against the link floor, accum 1", mics and mics["efficiency"],
          ">= 0.85", mics and mics["efficiency"] >= 0.85)
-    for micro in (mb, OVERLAP_MICRO_BATCH):
+    overlap_mb = args.overlap_micro_batch
+    for micro in (mb, overlap_mb):
         res = results.get((REFERENCE, 1, micro), {})
         if "sync_busy_s" in res:
             print(f"micro-batch {micro}, overlapped sync: the replicas' all-reduce ran "
                   f"{res['sync_busy_s']:.2f} s of the {res['step_s']:.2f} s step; "
                   f"{res['sync_exposed_s']:.2f} s of it after backward had ended (exposed)")
-    over = results.get((REFERENCE, 1, OVERLAP_MICRO_BATCH))
-    fsdp = results.get(("dtrain MiCS fsdp", 1, OVERLAP_MICRO_BATCH))
+    over = results.get((REFERENCE, 1, overlap_mb))
+    fsdp = results.get(("dtrain MiCS fsdp", 1, overlap_mb))
     if over and fsdp:
-        print(f"overlap setting: micro-batch {OVERLAP_MICRO_BATCH}, compute {over['compute_s']:.2f}"
+        print(f"overlap setting: micro-batch {overlap_mb}, compute {over['compute_s']:.2f}"
               f" s = {over['compute_s'] / over['floor_s']:.2f} x the link floor "
               f"{over['floor_s']:.2f} s (needs >= 1/3)")
         r = fsdp["step_s"] / over["step_s"]
@@ -386,6 +399,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1,
                    help="unmeasured one-micro-batch steps first")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per micro-step")
+    p.add_argument("--overlap-micro-batch", type=int, default=OVERLAP_MICRO_BATCH,
+                   help="micro-batch of the overlap target's two rows (compute against the link)")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per row")
     p.add_argument("--cleanup", action="store_true",
