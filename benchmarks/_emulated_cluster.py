@@ -124,16 +124,32 @@ def wait_all(procs: list[subprocess.Popen], roots: list[str], *, timeout: float)
     deadline = time.monotonic() + timeout
     while True:
         codes = [proc.poll() for proc in procs]
-        for code, root in zip(codes, roots):
-            if code:
-                failure = Path(root, "output", "failure")
-                why = (failure if failure.exists() else Path(root, "agent.log")).read_text()
-                raise RuntimeError(f"node agent for {root} exited {code}:\n{why[-3000:]}")
+        failed = [root for code, root in zip(codes, roots) if code]
+        if failed:
+            # the host that says why (its failure file) first: a peer fails after it
+            root = min(failed, key=lambda r: not os.path.exists(_failure_file(r)))
+            raise RuntimeError(f"node agent for {root} exited {codes[roots.index(root)]}:\n"
+                               f"{_why(root)}")
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"no result after {timeout:.0f} s (--timeout)")
+            running = [root for code, root in zip(codes, roots) if code is None]
+            raise RuntimeError(f"no result after {timeout:.0f} s (--timeout); still running:\n"
+                               + "\n".join(f"{root}:\n{_why(root)}" for root in running))
         time.sleep(0.2)
+
+
+def _failure_file(root: str) -> str:
+    from dtrain.core import contract
+
+    return contract.Paths(root).failure_file
+
+
+def _why(root: str) -> str:
+    """The end of a host's failure file, else of its agent's log."""
+    failure = _failure_file(root)
+    path = failure if os.path.exists(failure) else os.path.join(root, "agent.log")
+    return Path(path).read_text()[-3000:]
 
 
 def stop_processes(procs: list[subprocess.Popen]) -> None:

@@ -11,7 +11,8 @@ removes what a SIGKILLed run left):
     python benchmarks/mics_emulated_cluster.py --cleanup
 
 It measures the loopback gloo bandwidth, limits each direction of the veth to bandwidth/ratio,
-probes the link with raw gloo, times compute alone (all ranks at once, no communication), then
+probes the link with raw gloo, times compute alone (all ranks at once, no communication; its
+optimizer step apart, which gives the planner a FLOP rate per micro-batch size), then
 starts 2 hosts × 2 workers through the node agent (``python -m dtrain.runtime --root HOST_DIR``,
 one per namespace) for each row of :data:`ROWS`. Every row trains the same model on the same
 tokens, with the optimizer a dtrain job builds, and measures at least ``--steps`` steps and
@@ -129,10 +130,10 @@ def calibrated_cluster(args, *, loopback: float, link: float, latency: float,
                        micro_batch: int, micro_compute_s: float):
     """This machine as the cost model sees it at ``micro_batch`` sequences per micro-step: gloo,
     the measured bandwidths and latency, and the FLOP rate of the compute-only steps at that
-    size (one micro-batch's forward and backward: the step less its optimizer step). A rate per
-    size: on CPU a small micro-batch runs well below a large one's rate (one core of the 2-vCPU
-    benchmark machine: 1 sequence 0.14 s, 32 sequences 3.0 s, 1.5 times the rate), and one rate
-    from micro-batch 1 made the planner's pipeline and micro-batch-32 steps up to twice too long."""
+    size (one micro-batch's forward and backward: the accumulation-1 step less its optimizer
+    step). A rate per size, since on CPU a small micro-batch runs well below a large one's rate;
+    docs/benchmarks.md has the measurements, and what the rate from the difference of the
+    accumulation-4 and accumulation-1 steps that this replaced did to the planner."""
     from dtrain.planning import costmodel
 
     unit = costmodel.Cluster(num_nodes=NUM_HOSTS, gpus_per_node=PER_HOST, tflops_per_gpu=1.0,
@@ -194,6 +195,10 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     rows = [replace(r, micro_batch=args.overlap_micro_batch if r.overlap
                     else r.micro_batch or args.micro_batch)
             for r in ROWS if (args.full or r.default) and (not args.only or r.label in args.only)]
+    rows = list({r.key: r for r in rows}.values())  # --overlap-micro-batch = --micro-batch
+    if not rows:
+        sys.exit(f"no row is labelled {' or '.join(map(repr, args.only))}; the labels: "
+                 + ", ".join(sorted({r.label for r in ROWS})))
     deepspeed = deepspeed_available()
     launch = Launcher(args, job_dir)
     loopback = launch.run("loopback", hosts=1)["bytes_per_s"]
@@ -324,7 +329,7 @@ def report(args, rows: list[Row], results: dict, link: float) -> None:
     line("MiCS efficiency against the link floor, accum 1", mics and mics["efficiency"],
          ">= 0.85", mics and mics["efficiency"] >= 0.85)
     overlap_mb = args.overlap_micro_batch
-    for micro in (mb, overlap_mb):
+    for micro in dict.fromkeys((mb, overlap_mb)):
         res = results.get((REFERENCE, 1, micro), {})
         if "sync_busy_s" in res:
             print(f"micro-batch {micro}, overlapped sync: the replicas' all-reduce ran "
@@ -402,7 +407,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlap-micro-batch", type=int, default=OVERLAP_MICRO_BATCH,
                    help="micro-batch of the overlap target's two rows (compute against the link)")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds per row")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds per launch (dtrain's rows share one launch, the others have "
+                        "one each)")
     p.add_argument("--cleanup", action="store_true",
                    help="only remove namespaces, processes and temp dirs a killed run left")
     # Set by the benchmark in the contract's hyperparameters for the workers the agent starts.
