@@ -119,8 +119,8 @@ def run_agents(roots: list[str], *, namespaces: tuple[str, ...], devs: list[str]
 
 
 def wait_all(procs: list[subprocess.Popen], roots: list[str], *, timeout: float) -> None:
-    """Until every agent has exited 0; the first that fails raises at once. Its peers would
-    otherwise sit in torch elastic's exit barrier (5 minutes) waiting for the failed host."""
+    """Wait until every agent has exited 0; the first that fails raises at once (its peers would
+    otherwise sit in torch elastic's exit barrier for 5 minutes, waiting for the failed host)."""
     deadline = time.monotonic() + timeout
     while True:
         codes = [proc.poll() for proc in procs]
