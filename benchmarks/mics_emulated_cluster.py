@@ -190,8 +190,8 @@ def run_rows(launch: Launcher, args, rows: list[Row]) -> list[dict]:
                        degree=row.degree, hierarchical=int(row.hierarchical)) for row in rows]
 
 
-def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
-    started = time.monotonic()
+def select_rows(args: argparse.Namespace) -> list[Row]:
+    """The rows ``--full``/``--only`` ask for, at their micro-batches; exits when none match."""
     rows = [replace(r, micro_batch=args.overlap_micro_batch if r.overlap
                     else r.micro_batch or args.micro_batch)
             for r in ROWS if (args.full or r.default) and (not args.only or r.label in args.only)]
@@ -199,6 +199,11 @@ def run_benchmark(args: argparse.Namespace, job_dir: Path) -> None:
     if not rows:
         sys.exit(f"no row is labelled {' or '.join(map(repr, args.only))}; the labels: "
                  + ", ".join(sorted({r.label for r in ROWS})))
+    return rows
+
+
+def run_benchmark(args: argparse.Namespace, rows: list[Row], job_dir: Path) -> None:
+    started = time.monotonic()
     deepspeed = deepspeed_available()
     launch = Launcher(args, job_dir)
     loopback = launch.run("loopback", hosts=1)["bytes_per_s"]
@@ -445,6 +450,7 @@ def main() -> None:
     args = parse_args()
     if args.role:
         return WORKERS[args.role](args)
+    rows = select_rows(args)  # a wrong --only says so before anything is set up
     if os.geteuid() != 0:
         sys.exit("run as root: the benchmark creates network namespaces and tc qdiscs")
     for sig in (signal.SIGTERM, signal.SIGHUP):  # must also reach the finally below
@@ -456,7 +462,7 @@ def main() -> None:
     os.chmod(job_dir, 0o755)
     try:
         create_cluster()
-        run_benchmark(args, job_dir)
+        run_benchmark(args, rows, job_dir)
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)
         sys.exit(130)
